@@ -1,0 +1,3 @@
+from qshard.cli import main
+
+raise SystemExit(main())

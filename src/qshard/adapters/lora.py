@@ -1,0 +1,53 @@
+"""LoRA: y = base(x) + (alpha / r) * B A dropout(x), with A [r, in] and B [out, r].
+
+The base is any frozen linear-shaped module (NF4Linear or a bf16 nn.Linear). A and B are plain
+parameters; their storage dtype is the master dtype (fp32 by default) and FSDP2's
+MixedPrecisionPolicy hands the forward a bf16 copy, so the adapter computes in bf16 and its
+gradients are reduced and stepped in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LoRALinear(nn.Module):
+    def __init__(
+        self,
+        base: nn.Module,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = in_features, out_features
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / rank
+        device = next(base.parameters()).device
+        self.lora_A = nn.Parameter(torch.empty(rank, in_features, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.empty(out_features, rank, dtype=dtype, device=device))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    @torch.no_grad()
+    def init_adapter(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-size initial (A, B), as in the LoRA paper: A Kaiming-uniform, B zero, so training starts
+        from the base model's function. Returned on CPU: the caller shards them into place."""
+        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_ with a=sqrt(5) on fan_in
+        a = torch.empty(self.rank, self.in_features).uniform_(-bound, bound, generator=generator)
+        b = torch.zeros(self.out_features, self.rank)
+        return a, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        adapter = F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
+        return self.base(x) + adapter * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}"

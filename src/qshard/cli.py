@@ -1,0 +1,174 @@
+"""Command line: `qshard train ...`, `qshard make-checkpoint ...`.
+
+Every configuration key can be set as `--section.key VALUE` (or `--section.key=VALUE`); the common
+ones also have short flags. Order of precedence: defaults < `--config FILE` < flags, in order given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+import uuid
+
+from qshard import config as config_mod
+from qshard.errors import QShardError
+
+log = logging.getLogger("qshard")
+
+# Short flags for the keys scripts set most; each maps to one dotted key.
+SHORTCUTS = {
+    "--model": "model.path",
+    "--data": "data.path",
+    "--eval-data": "data.eval_path",
+    "--output-dir": "output.dir",
+    "--max-steps": "train.max_steps",
+    "--epochs": "train.epochs",
+    "--seed": "train.seed",
+    "--train-type": "train.train_type",
+    "--nproc": "parallel.nproc",
+    "--lr": "optim.lr",
+    "--batch-size": "train.micro_batch_size",
+    "--grad-accum": "train.grad_accum",
+    "--max-length": "data.max_length",
+    "--lora-rank": "lora.rank",
+}
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def _setup_logging() -> None:
+    level = logging.INFO if _rank() == 0 else logging.ERROR
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s qshard: %(message)s", datefmt="%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+    # The launcher's own chatter (and its traceback of a child's exit) adds nothing to our one-line errors.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # transformers' advisory warnings repeat on every rank.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    # bitsandbytes warns at import that an optional CPU kernel package is absent; its CPU path still works.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qshard", description="FSDP2 + QLoRA fine-tuning of causal LMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train",
+        help="fine-tune a model (no --model and --data: the embedded demo)",
+        epilog="Any option in the configuration reference can also be set as --section.key VALUE.",
+    )
+    train.add_argument("--config", help="YAML file of options")
+    for flag, key in SHORTCUTS.items():
+        train.add_argument(flag, dest=key, metavar=key.split(".")[-1].upper(), help=f"sets {key}")
+    train.add_argument("--overwrite", action="store_true", help="allow an output dir that holds a run")
+    make = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint of a named shape")
+    make.add_argument("--shape", required=True, help="e.g. llama3-8b, llama3-70b, llama-tiny")
+    make.add_argument("--out", required=True, help="directory to write")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--layers", type=int, help="override num_hidden_layers")
+    make.add_argument("--device", default="cpu", help="where to generate the random values (cpu, cuda)")
+    return parser
+
+
+def _dotted_overrides(extra: list[str]) -> list[tuple[str, str]]:
+    """`--a.b value` / `--a.b=value` pairs from the arguments argparse did not know."""
+    pairs, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise QShardError(f"unknown argument '{arg}' (options are --section.key VALUE; see qshard train --help)")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        elif i + 1 < len(extra):
+            i += 1
+            value = extra[i]
+        else:
+            raise QShardError(f"option '{arg}' needs a value")
+        pairs.append((key.replace("-", "_"), value))
+        i += 1
+    return pairs
+
+
+def parse_train_config(args: argparse.Namespace, extra: list[str]) -> config_mod.Config:
+    overrides = [(key, getattr(args, key)) for key in SHORTCUTS.values() if getattr(args, key) is not None]
+    if args.overwrite:
+        overrides.append(("output.overwrite", "true"))
+    return config_mod.resolve(args.config, overrides + _dotted_overrides(extra))
+
+
+def _launched() -> bool:
+    """True inside a process that torchrun, our launcher or srun started."""
+    return "LOCAL_RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Start `nproc` copies of this command through torchrun's launcher (one node, a free port)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # Each process would otherwise start one thread per core and they would fight over them.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "qshard", *argv)
+    except ChildFailedError as exc:
+        codes = [f.exitcode for f in exc.failures.values() if f.exitcode]
+        return codes[0] if codes else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _setup_logging()
+    try:
+        args, extra = _parser().parse_known_args(argv)
+        if args.command == "make-checkpoint":
+            return _make_checkpoint(args, extra)
+        cfg = parse_train_config(args, extra)
+        if cfg.parallel.nproc > 1 and not _launched():
+            return launch(cfg.parallel.nproc, argv)
+        from qshard.train.run import run_training  # heavy imports only once the config is valid
+
+        run_training(cfg)
+        return 0
+    except QShardError as exc:
+        if _rank() == 0:
+            print(f"qshard: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a bug, not bad input: full detail once, one line from the other ranks
+        if _rank() == 0:
+            traceback.print_exc()
+        else:
+            print(f"qshard: rank {_rank()} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _make_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise QShardError(f"unknown argument '{extra[0]}' for make-checkpoint")
+    from qshard.random_model import named_config, write_random_checkpoint
+
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    hf_config = named_config(args.shape, **overrides)
+    write_random_checkpoint(args.out, hf_config, seed=args.seed, device=args.device)
+    log.info("wrote a random %s checkpoint to %s", args.shape, args.out)
+    return 0

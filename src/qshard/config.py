@@ -1,0 +1,305 @@
+"""The one configuration tree: dataclasses, loaded from YAML, overridden from the command line, validated
+up front (before any weight or example is read), and saved beside every run as ``config.yaml``."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+from qshard.errors import QShardError
+
+TrainType = Literal["qlora", "lora", "full"]
+Schedule = Literal["constant", "linear", "cosine"]
+DataFormat = Literal["auto", "instruction", "chat"]
+
+
+@dataclass
+class ModelConfig:
+    # Local Hugging Face model directory; empty means the embedded demo model.
+    path: str | None = None
+    # Class name of the transformer block; default: the model's `_no_split_modules`.
+    block_class: str | None = None
+    # dtype of frozen, unquantized weights (embeddings, norms, lm_head, bf16 LoRA bases) and of compute.
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Leaf names of the block linears to adapt (e.g. [q_proj, v_proj]); empty means every linear in the blocks.
+    target_modules: list[str] | None = None
+
+
+@dataclass
+class QuantConfig:
+    # NF4 block size: how many weights share one absmax scale.
+    blocksize: Literal[64, 128, 256] = 64
+
+
+@dataclass
+class DataConfig:
+    # JSONL file of training examples; empty means the embedded demo dataset.
+    path: str | None = None
+    # JSONL file of held-out examples; if empty, `eval_fraction` of `path` is held out.
+    eval_path: str | None = None
+    eval_fraction: float = 0.05
+    format: DataFormat = "auto"
+    max_length: int = 512
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    # Clip the global gradient norm (over all shards) to this; 0 turns clipping off.
+    max_grad_norm: float = 1.0
+    schedule: Schedule = "cosine"
+    warmup_steps: int = 0
+    # The schedule decays to lr * min_lr_ratio.
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    train_type: TrainType = "qlora"
+    seed: int = 42
+    # Optimizer steps to run; empty means `epochs` passes over the data.
+    max_steps: int | None = None
+    epochs: int = 1
+    # Examples per rank per forward/backward; global batch = micro_batch_size * grad_accum * world size.
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    # Evaluate held-out loss every N optimizer steps (and always at the start and end); 0: start and end only.
+    eval_every: int = 0
+    # Plain log line every N steps when output is not a terminal.
+    log_every: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    # Processes to start on this machine through torchrun's launcher (1: run in this process).
+    nproc: int = 1
+    activation_checkpointing: bool = True
+    # Free each block's gathered weights after its forward (ZeRO-3); false keeps them until backward.
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class OutputConfig:
+    # Where config.yaml, metrics.jsonl, summary.json and adapter/ go; empty means runs/<timestamp>.
+    dir: str | None = None
+    # Allow writing into a non-empty directory (an earlier run's files there are replaced).
+    overwrite: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> Config:
+        """Check values that types alone cannot; raise QShardError naming the option."""
+        _positive("lora.rank", self.lora.rank)
+        _positive("lora.alpha", self.lora.alpha)
+        _in_range("lora.dropout", self.lora.dropout, 0.0, 1.0, high_open=True)
+        if self.lora.target_modules is not None and not self.lora.target_modules:
+            raise QShardError("lora.target_modules: give at least one module name, or leave it empty for all")
+        _positive("data.max_length", self.data.max_length)
+        _in_range("data.eval_fraction", self.data.eval_fraction, 0.0, 1.0, high_open=True)
+        _positive("optim.lr", self.optim.lr)
+        _non_negative("optim.weight_decay", self.optim.weight_decay)
+        _in_range("optim.beta1", self.optim.beta1, 0.0, 1.0, high_open=True)
+        _in_range("optim.beta2", self.optim.beta2, 0.0, 1.0, high_open=True)
+        _positive("optim.eps", self.optim.eps)
+        _non_negative("optim.max_grad_norm", self.optim.max_grad_norm)
+        _non_negative("optim.warmup_steps", self.optim.warmup_steps)
+        _in_range("optim.min_lr_ratio", self.optim.min_lr_ratio, 0.0, 1.0)
+        if self.train.max_steps is not None:
+            _positive("train.max_steps", self.train.max_steps)
+        _positive("train.epochs", self.train.epochs)
+        _positive("train.micro_batch_size", self.train.micro_batch_size)
+        _positive("train.grad_accum", self.train.grad_accum)
+        _non_negative("train.eval_every", self.train.eval_every)
+        _positive("train.log_every", self.train.log_every)
+        _positive("parallel.nproc", self.parallel.nproc)
+        return self
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise QShardError(f"{name} must be > 0, got {value}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if value < 0:
+        raise QShardError(f"{name} must be >= 0, got {value}")
+
+
+def _in_range(name: str, value: float, low: float, high: float, high_open: bool = False) -> None:
+    if value < low or value > high or (high_open and value == high):
+        bracket = ")" if high_open else "]"
+        raise QShardError(f"{name} must be in [{low}, {high}{bracket}, got {value}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building a Config from dicts: every key checked against the dataclass, every value against its type.
+
+
+def from_dict(data: dict[str, Any], source: str = "config") -> Config:
+    return _build(Config, data, prefix="", source=source)
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    if not isinstance(data, dict):
+        raise QShardError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            known = ", ".join(sorted(prefix + n for n in names))
+            raise QShardError(f"{source}: unknown option '{prefix}{key}' (known here: {known})")
+        kwargs[key] = _coerce(hints[key], value, prefix + key, source)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, name: str, source: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, prefix=name + ".", source=source)
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, name, source)
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(str(a) for a in args)
+            raise QShardError(f"{source}: {name} must be one of {choices}, got {value!r}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise QShardError(f"{source}: {name} must be a list, got {value!r}")
+        return [_coerce(args[0], v, name, source) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise QShardError(f"{source}: {name} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise QShardError(f"{source}: {name} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `5e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise QShardError(f"{source}: {name} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise QShardError(f"{source}: {name} must be a string, got {value!r}")
+    raise AssertionError(f"unhandled config type {tp} for {name}")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise QShardError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise QShardError(f"{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise QShardError(f"{path}: the top level must be a mapping of options")
+    return data
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``tree['a']['b'] = value`` for ``dotted == 'a.b'``, creating mappings on the way."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise QShardError(f"option '{dotted}': '{part}' is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_value(text: str) -> Any:
+    """Command-line values are read as YAML scalars, so `3`, `1e-4`, `true` and `[a, b]` get their types."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+# The embedded demo (no model and no data given) trains a random tiny model: it needs a larger learning
+# rate and batch than a pretrained one. Applied under the user's own settings, never over them.
+DEMO_PRESET = {
+    "train": {"micro_batch_size": 16, "max_steps": 500, "eval_every": 100},
+    "optim": {"lr": 3e-3, "warmup_steps": 10},
+    "lora": {"rank": 16, "alpha": 32.0},
+    "data": {"max_length": 128},
+}
+
+
+def _merge_under(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge_under(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def is_demo(tree: dict[str, Any]) -> bool:
+    model, data = tree.get("model") or {}, tree.get("data") or {}
+    return not (isinstance(model, dict) and model.get("path")) and not (isinstance(data, dict) and data.get("path"))
+
+
+def resolve(yaml_path: str | None, overrides: list[tuple[str, str]]) -> Config:
+    """YAML file (if any), then command-line overrides in order, then validation."""
+    tree = load_yaml(yaml_path) if yaml_path else {}
+    for dotted, text in overrides:
+        set_dotted(tree, dotted, parse_value(text))
+    if is_demo(tree):
+        tree = _merge_under(DEMO_PRESET, tree)
+    source = yaml_path or "command line"
+    return from_dict(tree, source=source).validate()
+
+
+def save(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,0 +1,172 @@
+"""Architecture lookup: read a Hugging Face model directory, build its skeleton on the meta device,
+find its transformer blocks and their linear layers, and swap those for quantized / adapter modules.
+
+Nothing here knows about parallelism or checkpoint files; `loading` fills the skeleton afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from qshard.adapters import LoRALinear
+from qshard.config import Config
+from qshard.errors import QShardError
+from qshard.quant import NF4Linear
+from qshard.quant.nf4 import can_quantize
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
+    """The model's config.json, with errors that name the directory and what is wrong."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise QShardError(f"model directory not found: {model_dir}")
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise QShardError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise QShardError(f"{config_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    if "model_type" not in raw:
+        raise QShardError(f"{config_file}: no 'model_type' key, so the architecture cannot be identified")
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError) as exc:
+        raise QShardError(f"{config_file}: unsupported model_type '{raw['model_type']}' ({exc})") from None
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise QShardError(f"{config_file}: {type(hf_config).__name__} is encoder-decoder; qshard trains decoder-only LMs")
+    return hf_config
+
+
+def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
+    """The causal LM with every parameter on the meta device: no memory, no initialization cost."""
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(
+                hf_config,
+                attn_implementation=cfg.model.attn_implementation,
+                dtype=DTYPES[cfg.model.dtype],
+            )
+        except ValueError as exc:
+            raise QShardError(
+                f"{type(hf_config).__name__} has no causal-LM class in transformers ({exc})"
+            ) from None
+    return model
+
+
+def find_blocks(model: nn.Module, block_class: str | None) -> list[nn.Module]:
+    """The transformer blocks: modules whose class is named by `block_class` or, by default, by the
+    model's `_no_split_modules` (the classes Hugging Face itself never splits across devices)."""
+    if block_class:
+        names = {block_class}
+        origin = f"model.block_class={block_class}"
+    else:
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        origin = f"{type(model).__name__}._no_split_modules={sorted(names)}"
+        if not names:
+            raise QShardError(
+                f"{type(model).__name__} does not declare _no_split_modules, so its transformer block is "
+                "unknown: set model.block_class to the block's class name"
+            )
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise QShardError(f"{type(model).__name__}: no module matches {origin}")
+    nested = [b for b in blocks if any(o is not b and _contains(o, b) for o in blocks)]
+    if nested:
+        raise QShardError(f"{type(model).__name__}: block classes {sorted(names)} nest inside each other")
+    return blocks
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+@dataclass
+class SwapReport:
+    adapted: list[str]  # fully qualified names of linears given a LoRA adapter
+    quantized: list[str]  # ... whose base is NF4
+    kept: list[str]  # block linears left in bf16 (shape not quantizable)
+
+
+def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> SwapReport:
+    """Swap block linears for the train type's modules and set requires_grad and storage dtypes.
+
+    qlora: every block linear -> NF4Linear (frozen); targeted ones wrapped in LoRALinear.
+    lora:  targeted block linears wrapped in LoRALinear over the frozen bf16 linear.
+    full:  nothing swapped; every parameter trains, stored in fp32 (the master copy).
+    """
+    train_type = cfg.train.train_type
+    frozen_dtype = DTYPES[cfg.model.dtype]
+    if train_type == "full":
+        model.to(torch.float32).requires_grad_(True)
+        return SwapReport(adapted=[], quantized=[], kept=[])
+    model.requires_grad_(False)
+    targets = _resolve_targets(model, blocks, cfg.lora.target_modules)
+    report = SwapReport(adapted=[], quantized=[], kept=[])
+    block_names = {id(b) for b in blocks}
+    for name, module in list(model.named_modules()):
+        if id(module) not in block_names:
+            continue
+        for sub_name, linear in list(module.named_modules()):
+            if not isinstance(linear, nn.Linear):
+                continue
+            fqn = f"{name}.{sub_name}"
+            base: nn.Module = linear
+            if train_type == "qlora":
+                if can_quantize(linear, cfg.quant.blocksize):
+                    base = NF4Linear.like(linear, cfg.quant.blocksize, bias_dtype=frozen_dtype)
+                    report.quantized.append(fqn)
+                else:
+                    report.kept.append(fqn)
+            if sub_name.rsplit(".", 1)[-1] in targets:
+                base = LoRALinear(base, linear.in_features, linear.out_features, cfg.lora.rank, cfg.lora.alpha,
+                                  cfg.lora.dropout)
+                report.adapted.append(fqn)
+            if base is not linear:
+                _set_submodule(module, sub_name, base)
+    return report
+
+
+def _resolve_targets(model: nn.Module, blocks: list[nn.Module], requested: list[str] | None) -> set[str]:
+    available = {n.rsplit(".", 1)[-1] for b in blocks for n, m in b.named_modules() if isinstance(m, nn.Linear)}
+    if not available:
+        raise QShardError(f"{type(model).__name__}: its blocks contain no nn.Linear layers to adapt")
+    if requested is None:
+        return available
+    unknown = sorted(set(requested) - available)
+    if unknown:
+        raise QShardError(
+            f"lora.target_modules: {unknown} not found in the blocks of {type(model).__name__} "
+            f"(available: {sorted(available)})"
+        )
+    return set(requested)
+
+
+def _set_submodule(root: nn.Module, dotted: str, new: nn.Module) -> None:
+    parent_name, _, leaf = dotted.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, leaf, new)
+
+
+def rebuild_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers (rotary inverse frequencies), which are not in checkpoints and
+    were left uninitialized by building on meta. Hugging Face's own `_init_weights` knows how."""
+    for name, module in model.named_modules():
+        buffers = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
+        if not buffers:
+            continue
+        if "RotaryEmbedding" not in type(module).__name__:
+            raise QShardError(
+                f"{type(model).__name__}: module '{name}' ({type(module).__name__}) has computed buffers "
+                f"{buffers} that qshard cannot rebuild"
+            )
+        with torch.no_grad():
+            model._init_weights(module)

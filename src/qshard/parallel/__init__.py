@@ -1,0 +1,1 @@
+"""Process groups, device meshes, FSDP2 sharding and activation checkpointing."""

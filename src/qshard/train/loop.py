@@ -1,0 +1,167 @@
+"""The training loop: one optimizer step reads top to bottom in `Trainer.step`."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qshard.config import Config
+from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, collate
+from qshard.parallel.distributed import DistEnv
+from qshard.train.metrics import MetricsLog, Progress, peak_memory_gib
+from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+
+def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed next-token cross-entropy over trained tokens, in fp32 (bf16 logits lose too much in the
+    log-sum-exp over a large vocabulary). Summed, not averaged: the caller divides by the token count of
+    the whole global batch so that every split of it gives the same gradient."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    labels = batch["labels"][:, 1:]
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass
+class EvalResult:
+    loss: float
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 50.0))
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: Config,
+        env: DistEnv,
+        model: nn.Module,
+        train_examples: list[Example],
+        eval_examples: list[Example],
+        pad_id: int,
+        metrics: MetricsLog,
+    ) -> None:
+        self.cfg, self.env, self.model = cfg, env, model
+        self.train_examples, self.eval_examples, self.pad_id = train_examples, eval_examples, pad_id
+        t = cfg.train
+        self.sampler = GlobalBatchSampler(
+            len(train_examples), t.micro_batch_size, t.grad_accum, env.world_size, env.rank, t.seed
+        )
+        self.total_steps = t.max_steps or t.epochs * self.sampler.steps_per_epoch
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(model, cfg.optim, env.device)
+        self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
+        self.metrics = metrics
+        self.progress = Progress(self.total_steps, 0, env.is_main, t.log_every)
+
+    # -----------------------------------------------------------------------------------------------------------
+    def step(self, step: int) -> dict:
+        """One optimizer step over the global batch `step` (0-based)."""
+        start = time.perf_counter()
+        self.model.train()
+        batches = [self._batch(idx) for idx in self.sampler.microbatches(step)]
+
+        # Normalize by the trained tokens of the whole global batch, all ranks and micro-batches, so the
+        # gradient is the per-token mean however the batch is split. FSDP2 averages gradients over ranks;
+        # multiplying by the world size turns that average back into the sum we want.
+        counts = self._all_sum([sum(trained_tokens(b) for b in batches), sum(int(b["attention_mask"].sum()) for b in batches)])
+        n_trained, n_input = counts
+        scale = self.env.world_size / max(n_trained, 1)
+
+        loss_sum = torch.zeros((), device=self.env.device)
+        for batch in batches:
+            loss = token_loss_sum(self.model, batch)
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+
+        grad_norm = clip_grad_norm(self.params, self.cfg.optim.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        # One host sync per step, here, for logging: the all-reduce result and the norm come back together.
+        loss_total = self._all_sum_tensor(loss_sum)
+        elapsed = time.perf_counter() - start
+        return {
+            "step": step + 1,
+            "epoch": step // self.sampler.steps_per_epoch,
+            "loss": loss_total / max(n_trained, 1),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": n_input,
+            "trained_tokens": n_trained,
+            "tokens_per_s": n_input / elapsed,
+            "step_time_s": elapsed,
+            "peak_mem_gib": peak_memory_gib(self.env.device),
+        }
+
+    # -----------------------------------------------------------------------------------------------------------
+    def fit(self) -> tuple[EvalResult, EvalResult, list[dict]]:
+        """Evaluate, train `total_steps` steps (evaluating every `eval_every`), evaluate again."""
+        torch.manual_seed(self.cfg.train.seed)
+        first = self.evaluate()
+        self.progress.message(f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})")
+        records, last = [], first
+        for step in range(self.total_steps):
+            record = self.step(step)
+            every = self.cfg.train.eval_every
+            if (every and record["step"] % every == 0) or record["step"] == self.total_steps:
+                last = self.evaluate()
+                record["eval_loss"], record["eval_ppl"] = last.loss, last.perplexity
+            self.metrics.write(record)
+            self.progress.step(record)
+            records.append(record)
+        self.progress.close()
+        return first, last, records
+
+    @torch.no_grad()
+    def evaluate(self) -> EvalResult:
+        """Mean per-token loss over the held-out set. Ranks take interleaved examples; every rank runs the
+        same number of forwards (FSDP2 all-gathers are collective), padding with zero-weight repeats."""
+        self.model.eval()
+        n, world, mbs = len(self.eval_examples), self.env.world_size, self.cfg.train.micro_batch_size
+        per_rank = math.ceil(n / world)
+        mine = [i * world + self.env.rank for i in range(per_rank)]
+        loss_sum = torch.zeros((), device=self.env.device)
+        tokens = 0
+        for start in range(0, per_rank, mbs):
+            chunk = mine[start : start + mbs]
+            real = [i for i in chunk if i < n]
+            batch = self._batch([i if i < n else 0 for i in chunk], self.eval_examples)
+            if len(real) < len(chunk):  # padding examples contribute no tokens
+                batch["labels"][len(real) :] = IGNORE_INDEX
+            loss_sum += token_loss_sum(self.model, batch)
+            tokens += trained_tokens(batch)
+        total_loss = self._all_sum_tensor(loss_sum)
+        total_tokens = self._all_sum([tokens])[0]
+        return EvalResult(total_loss / max(total_tokens, 1), total_tokens)
+
+    # -----------------------------------------------------------------------------------------------------------
+    def _batch(self, indices: list[int], examples: list[Example] | None = None) -> dict[str, torch.Tensor]:
+        examples = self.train_examples if examples is None else examples
+        batch = collate([examples[i] for i in indices], self.pad_id)
+        return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
+
+    def _all_sum(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.env.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _all_sum_tensor(self, value: torch.Tensor) -> float:
+        t = value.detach().to(torch.float64)
+        dist.all_reduce(t)
+        return float(t)

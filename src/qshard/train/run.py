@@ -1,0 +1,150 @@
+"""`qshard train`: resolve inputs, build, train, export; the output directory is created only once
+every input has been checked, and summary.json (written last) marks a finished run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch.nn as nn
+
+import torch.distributed as dist
+
+from qshard import config as config_mod
+from qshard import data, demo, export
+from qshard.build import build_model, describe, load_tokenizer
+from qshard.config import Config
+from qshard.errors import QShardError
+from qshard.parallel.distributed import DistEnv, init_distributed, shutdown
+from qshard.train.loop import Trainer
+from qshard.train.metrics import MetricsLog
+
+log = logging.getLogger("qshard")
+
+# Files that make a directory look like a finished (or running) qshard run.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "adapter")
+
+
+def resolve_output_dir(cfg: Config) -> Path:
+    path = Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if path.exists() and not path.is_dir():
+        raise QShardError(f"output.dir: {path} exists and is not a directory")
+    taken = [name for name in RUN_FILES if (path / name).exists()]
+    if taken and not cfg.output.overwrite:
+        raise QShardError(
+            f"output.dir: {path} already holds a run ({', '.join(taken)}); choose another directory "
+            "or pass --overwrite"
+        )
+    return path
+
+
+def _demo_inputs(cfg: Config, env: DistEnv, out: Path) -> None:
+    """No model and no data given: the embedded demo (tiny random Llama, local tokenizer, shipped task)."""
+    demo_data = resources.files("qshard") / "demo_data"
+    if cfg.data.path is None:
+        cfg.data.path = str(demo_data / "train.jsonl")
+        if cfg.data.eval_path is None:
+            cfg.data.eval_path = str(demo_data / "eval.jsonl")
+    if cfg.model.path is None:
+        model_dir = out / "demo-model"
+        if env.is_main:
+            demo.write_demo_model(model_dir)
+        dist.barrier()
+        cfg.model.path = str(model_dir)
+
+
+@dataclass
+class RunResult:
+    out: Path
+    summary: dict
+    model: nn.Module  # the trained, still sharded model (usable while the process group lives)
+
+
+def run_training(cfg: Config) -> RunResult:
+    env = init_distributed()
+    try:
+        return train(cfg, env)
+    finally:
+        shutdown()
+
+
+def train(cfg: Config, env: DistEnv) -> RunResult:
+    started = time.perf_counter()
+    out = resolve_output_dir(cfg)
+    if cfg.data.path is None or cfg.model.path is None:
+        if env.is_main:
+            log.info("no %s given: running the embedded demo", "model" if cfg.model.path is None else "data")
+        _demo_inputs(cfg, env, out)
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    train_examples, eval_examples = _load_data(cfg, tokenizer)
+    model, report = build_model(cfg, env, cfg.model.path)
+    if env.is_main:
+        log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
+        log.info("data: %d training and %d held-out examples", len(train_examples), len(eval_examples))
+
+    metrics = _open_outputs(cfg, env, out)
+    try:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        trainer = Trainer(cfg, env, model, train_examples, eval_examples, pad_id, metrics)
+        first, last, records = trainer.fit()
+    finally:
+        metrics.close()
+
+    adapter_tensors = export.gather_lora(model) if report.adapted else {}
+    summary = {
+        "train_type": cfg.train.train_type,
+        "world_size": env.world_size,
+        "steps": len(records),
+        "train_loss_first": records[0]["loss"] if records else None,
+        "train_loss_last": records[-1]["loss"] if records else None,
+        "eval_loss_start": first.loss,
+        "eval_loss_end": last.loss,
+        "eval_ppl_start": first.perplexity,
+        "eval_ppl_end": last.perplexity,
+        "elapsed_s": time.perf_counter() - started,
+        "adapter": "adapter" if report.adapted else None,
+    }
+    if env.is_main:
+        if report.adapted:
+            export.write_peft_adapter(
+                out / "adapter", adapter_tensors, cfg.lora, export.target_modules(model), str(Path(cfg.model.path).resolve())
+            )
+        _write_json_atomic(out / "summary.json", summary)
+        log.info(
+            "held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f) after %d steps; results in %s",
+            first.loss, last.loss, first.perplexity, last.perplexity, len(records), out,
+        )
+    dist.barrier()
+    return RunResult(out, summary, model)
+
+
+def _load_data(cfg: Config, tokenizer) -> tuple[list[data.Example], list[data.Example]]:
+    examples = data.load_examples(cfg.data.path, tokenizer, cfg.data.max_length, cfg.data.format)
+    if cfg.data.eval_path:
+        return examples, data.load_examples(cfg.data.eval_path, tokenizer, cfg.data.max_length, cfg.data.format)
+    if cfg.data.eval_fraction == 0:
+        return examples, []
+    return data.split_held_out(examples, cfg.data.eval_fraction, cfg.train.seed)
+
+
+def _open_outputs(cfg: Config, env: DistEnv, out: Path) -> MetricsLog:
+    """Only now, with every input checked, does the output directory get its run files."""
+    if not env.is_main:
+        return MetricsLog(None)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "metrics.jsonl"):  # --overwrite: an old finished marker must not survive
+        (out / stale).unlink(missing_ok=True)
+    config_mod.save(cfg, out / "config.yaml")
+    return MetricsLog(out / "metrics.jsonl")
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
