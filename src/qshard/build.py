@@ -41,7 +41,10 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path) -> tuple[nn.Mo
     if report.kept:
         log.warning("%d block linear(s) kept in %s: in_features not a multiple of quant.blocksize (%s, ...)",
                     len(report.kept), cfg.model.dtype, report.kept[0])
-    parallelize(model, blocks, env.mesh, cfg)
+    how = parallelize(model, blocks, env.mesh, cfg)
+    if report.quantized and env.is_main:
+        log.info("NF4 storage sharded by %s", "FSDP2" if how == "fsdp" else "DTensor buffers (this torch's FSDP2 "
+                 "refuses integer parameters)")
     model.to_empty(device=env.device)
     loading.load_weights(model, ckpt, env.device)
     loading.init_adapters(model, cfg.train.seed)

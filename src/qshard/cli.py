@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import traceback
+import typing
 import uuid
 
 from qshard import config as config_mod
@@ -56,13 +57,22 @@ def _setup_logging() -> None:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a flag without its value, an ambiguous prefix) become our one-line error
+    instead of a usage dump and a SystemExit; subcommand parsers are of this class too."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise QShardError(f"{message} (see {self.prog} --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qshard", description="FSDP2 + QLoRA fine-tuning of causal LMs")
+    parser = _Parser(prog="qshard", description="FSDP2 + QLoRA fine-tuning of causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train",
         help="fine-tune a model (no --model and --data: the embedded demo)",
         epilog="Any option in the configuration reference can also be set as --section.key VALUE.",
+        allow_abbrev=False,  # a prefix of a short flag would escape the rewrite in parse_args
     )
     train.add_argument("--config", help="YAML file of options")
     for flag, key in SHORTCUTS.items():
@@ -77,6 +87,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """argparse, with `train`'s short flags first spelled as their dotted keys: argparse would apply the
+    flags it knows before the `--section.key` ones it does not, and flags must apply in the order given."""
+    if argv[:1] == ["train"]:
+        argv = [_spell_out(arg) for arg in argv]
+    return _parser().parse_known_args(argv)
+
+
+def _spell_out(arg: str) -> str:
+    if arg == "--overwrite":
+        return "--output.overwrite=true"
+    flag, eq, value = arg.partition("=")
+    return f"--{SHORTCUTS[flag]}{eq}{value}" if flag in SHORTCUTS else arg
+
+
 def _dotted_overrides(extra: list[str]) -> list[tuple[str, str]]:
     """`--a.b value` / `--a.b=value` pairs from the arguments argparse did not know."""
     pairs, i = [], 0
@@ -87,7 +112,7 @@ def _dotted_overrides(extra: list[str]) -> list[tuple[str, str]]:
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
-        elif i + 1 < len(extra):
+        elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):  # else the next option is no value
             i += 1
             value = extra[i]
         else:
@@ -138,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _setup_logging()
     try:
-        args, extra = _parser().parse_known_args(argv)
+        args, extra = parse_args(argv)
         if args.command == "make-checkpoint":
             return _make_checkpoint(args, extra)
         cfg = parse_train_config(args, extra)
@@ -150,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except QShardError as exc:
         if _rank() == 0:
-            print(f"qshard: error: {exc}", file=sys.stderr)
+            # One line, even when a library's message we pass on spans several.
+            message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            print(f"qshard: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -165,10 +192,16 @@ def main(argv: list[str] | None = None) -> int:
 def _make_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise QShardError(f"unknown argument '{extra[0]}' for make-checkpoint")
+    from qshard.demo_tokenizer import build_demo_tokenizer
     from qshard.random_model import named_config, write_random_checkpoint
 
     overrides = {"num_hidden_layers": args.layers} if args.layers else {}
     hf_config = named_config(args.shape, **overrides)
+    tokenizer = build_demo_tokenizer()
+    if hf_config.vocab_size < len(tokenizer):
+        raise QShardError(f"--shape {args.shape}: vocabulary {hf_config.vocab_size} is smaller than the demo tokenizer's")
     write_random_checkpoint(args.out, hf_config, seed=args.seed, device=args.device)
-    log.info("wrote a random %s checkpoint to %s", args.shape, args.out)
+    # A small local tokenizer whose ids all fit the vocabulary, so the checkpoint trains as is.
+    tokenizer.save_pretrained(args.out)
+    log.info("wrote a random %s checkpoint (with the demo tokenizer) to %s", args.shape, args.out)
     return 0

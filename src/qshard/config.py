@@ -4,6 +4,7 @@ up front (before any weight or example is read), and saved beside every run as `
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -94,6 +95,10 @@ class ParallelConfig:
     activation_checkpointing: bool = True
     # Free each block's gathered weights after its forward (ZeRO-3); false keeps them until backward.
     reshard_after_forward: bool = True
+    # Who shards the NF4 codes and scales: FSDP2 itself (grouped, prefetched all-gathers), or DTensor
+    # buffers gathered per layer on use (for torch versions whose FSDP2 refuses integer parameters,
+    # 2.11 among them). auto: FSDP2 where this torch accepts it.
+    quant_sharding: Literal["auto", "fsdp", "dtensor"] = "auto"
 
 
 @dataclass
@@ -194,7 +199,8 @@ def _coerce(tp: Any, value: Any, name: str, source: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(inner[0], value, name, source)
     if origin is Literal:
-        if value not in args:
+        # By type as well as value: `64.0 == 64` and `True == 1`, but neither is a valid choice.
+        if not any(type(value) is type(a) and value == a for a in args):
             choices = ", ".join(str(a) for a in args)
             raise QShardError(f"{source}: {name} must be one of {choices}, got {value!r}")
         return value
@@ -213,14 +219,18 @@ def _coerce(tp: Any, value: Any, name: str, source: str) -> Any:
             return value
         raise QShardError(f"{source}: {name} must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, str):  # YAML 1.1 reads `5e-3` (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise QShardError(f"{source}: {name} must be a number, got {value!r}")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        # nan passes every `<=` range check below, and inf is no learning rate either.
+        if number is None or not math.isfinite(number):
+            raise QShardError(f"{source}: {name} must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -233,7 +243,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise QShardError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise QShardError(f"{path}: not a YAML text file (invalid UTF-8 at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -257,12 +269,30 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def parse_value(text: str) -> Any:
-    """Command-line values are read as YAML scalars, so `3`, `1e-4`, `true` and `[a, b]` get their types."""
+def parse_value(text: str, dotted: str | None = None) -> Any:
+    """Command-line values are read as YAML scalars, so `3`, `1e-4`, `true` and `[a, b]` get their types.
+
+    A string option (a path) keeps its text as typed: YAML would turn `--output.dir 2024-06-01` into a
+    date and `--output.dir on` into true, and the shell leaves no way to quote them."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if value is not None and dotted is not None and _option_type(dotted) is str:
+        return text
+    return value
+
+
+def _option_type(dotted: str) -> Any:
+    """The type of option `dotted` without its `| None`, or None for an unknown option."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+        if get_origin(tp) in (Union, types.UnionType):
+            tp = next(a for a in get_args(tp) if a is not type(None))
+    return tp
 
 
 # The embedded demo (no model and no data given) trains a random tiny model: it needs a larger learning
@@ -293,8 +323,15 @@ def is_demo(tree: dict[str, Any]) -> bool:
 def resolve(yaml_path: str | None, overrides: list[tuple[str, str]]) -> Config:
     """YAML file (if any), then command-line overrides in order, then validation."""
     tree = load_yaml(yaml_path) if yaml_path else {}
+    # Each source is checked on its own first, so that an error names where the bad key or value came
+    # from (a typo on the command line must not be blamed on the YAML file).
+    from_dict(tree, source=str(yaml_path))
+    flags: dict[str, Any] = {}
     for dotted, text in overrides:
-        set_dotted(tree, dotted, parse_value(text))
+        set_dotted(flags, dotted, parse_value(text, dotted))
+    from_dict(flags, source="command line")
+    for dotted, text in overrides:
+        set_dotted(tree, dotted, parse_value(text, dotted))
     if is_demo(tree):
         tree = _merge_under(DEMO_PRESET, tree)
     source = yaml_path or "command line"

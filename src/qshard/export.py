@@ -15,6 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from qshard.adapters import LoRALinear
 from qshard.config import LoRAConfig
+from qshard.loading import join_name, module_sources
+from qshard.quant import NF4Linear, dequantize_nf4
 
 # PEFT stores a causal LM's adapter under the PeftModel -> LoraModel -> original model path.
 PEFT_PREFIX = "base_model.model."
@@ -86,3 +88,22 @@ def write_peft_adapter(
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)
+
+
+def base_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+    """Yield (checkpoint name, full tensor on CPU) for the frozen base, NF4 layers dequantized: the
+    weights the trained adapters were fitted to. A collective: every rank iterates it in step."""
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+
+    seen: set[int] = set()
+    for module, prefix in module_sources(model):
+        if isinstance(module, NF4Linear):
+            yield join_name(prefix, "weight"), dequantize_nf4(full(module.packed), full(module.absmax), dtype).cpu()
+            if module.bias is not None:
+                yield join_name(prefix, "bias"), full(module.bias).to(dtype).cpu()
+        elif not isinstance(module, LoRALinear):
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield join_name(prefix, name), full(param).to(dtype).cpu()

@@ -36,7 +36,10 @@ class Checkpoint:
         for path in sorted(set(self.files.values())):
             handle = self._open(path)
             for name in handle.keys():
-                self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+                # The index is authoritative: a tensor that a shard holds but the index assigns elsewhere
+                # (or nowhere) would have a shape here and no file to be read from.
+                if self.files.get(name) == path:
+                    self._shapes[name] = tuple(handle.get_slice(name).get_shape())
         absent = sorted(n for n, p in self.files.items() if n not in self._shapes)
         if absent:
             raise QShardError(f"{self.files[absent[0]]}: tensor '{absent[0]}' listed in {INDEX_FILE} is absent")
@@ -86,20 +89,20 @@ class Checkpoint:
 # Which checkpoint tensor feeds which parameter.
 
 
-def _sources(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+def module_sources(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
     """Yield (module, checkpoint prefix) for every module, where the prefix skips the `.base` hop that
     a LoRALinear adds, so the base layer reads the original linear's tensors."""
 
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[nn.Module, str]]:
         yield module, prefix
         for name, child in module.named_children():
-            child_prefix = prefix if isinstance(module, LoRALinear) and name == "base" else _join(prefix, name)
+            child_prefix = prefix if isinstance(module, LoRALinear) and name == "base" else join_name(prefix, name)
             yield from walk(child, child_prefix)
 
     yield from walk(model, "")
 
 
-def _join(prefix: str, name: str) -> str:
+def join_name(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
@@ -107,11 +110,11 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> full shape, for every tensor the skeleton needs from the checkpoint."""
     expected: dict[str, tuple[int, ...]] = {}
     seen: set[int] = set()
-    for module, prefix in _sources(model):
+    for module, prefix in module_sources(model):
         if isinstance(module, NF4Linear):
-            expected[_join(prefix, "weight")] = (module.out_features, module.in_features)
+            expected[join_name(prefix, "weight")] = (module.out_features, module.in_features)
             if module.bias is not None:
-                expected[_join(prefix, "bias")] = tuple(module.bias.shape)
+                expected[join_name(prefix, "bias")] = tuple(module.bias.shape)
             continue
         if isinstance(module, LoRALinear):
             continue  # lora_A / lora_B are initialized, not loaded
@@ -119,7 +122,7 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
             if id(param) in seen:
                 continue  # tied weights: loaded once, under their first name
             seen.add(id(param))
-            expected[_join(prefix, name)] = tuple(param.shape)
+            expected[join_name(prefix, name)] = tuple(param.shape)
     return expected
 
 
@@ -128,7 +131,10 @@ def check_checkpoint(ckpt: Checkpoint, model: nn.Module) -> None:
     expected = expected_tensors(model)
     for name, shape in expected.items():
         if name not in ckpt.names():
-            raise QShardError(f"{ckpt.dir}: checkpoint has no tensor '{name}' needed by {type(model).__name__}")
+            where = f" (none in {INDEX_FILE})" if (ckpt.dir / INDEX_FILE).is_file() else ""
+            raise QShardError(
+                f"{ckpt.dir}: checkpoint has no tensor '{name}' needed by {type(model).__name__}{where}"
+            )
         if ckpt.shape(name) != shape:
             raise QShardError(
                 f"{ckpt.files[name]}: tensor '{name}' has shape {list(ckpt.shape(name))}, "
@@ -171,15 +177,15 @@ def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
 def load_weights(model: nn.Module, ckpt: Checkpoint, device: torch.device) -> None:
     """Stream every checkpoint tensor the model needs into its (sharded) parameters on `device`."""
     seen: set[int] = set()
-    for module, prefix in _sources(model):
+    for module, prefix in module_sources(model):
         if isinstance(module, NF4Linear):
-            weight = ckpt.read(_join(prefix, "weight")).to(device)
+            weight = ckpt.read(join_name(prefix, "weight")).to(device)
             packed, absmax = quantize_nf4(weight, module.blocksize)
             del weight
             copy_full(module.packed, packed)
             copy_full(module.absmax, absmax)
             if module.bias is not None:
-                copy_full(module.bias, ckpt.read(_join(prefix, "bias")).to(device, module.bias.dtype))
+                copy_full(module.bias, ckpt.read(join_name(prefix, "bias")).to(device, module.bias.dtype))
             continue
         if isinstance(module, LoRALinear):
             continue
@@ -187,7 +193,7 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, device: torch.device) -> No
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            copy_full(param, ckpt.read(_join(prefix, name)).to(device, param.dtype))
+            copy_full(param, ckpt.read(join_name(prefix, name)).to(device, param.dtype))
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from qshard.adapters import LoRALinear
 from qshard.config import Config
@@ -35,19 +38,36 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise QShardError(f"{config_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-    if "model_type" not in raw:
+    if not isinstance(raw, dict) or "model_type" not in raw:
         raise QShardError(f"{config_file}: no 'model_type' key, so the architecture cannot be identified")
+    model_type = raw["model_type"]
+    # transformers' own message for an unknown type is a paragraph of upgrade advice; one line says it.
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise QShardError(
+            f"{config_file}: unsupported model_type {model_type!r} (not an architecture transformers knows)"
+        )
     try:
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except (ValueError, KeyError) as exc:
-        raise QShardError(f"{config_file}: unsupported model_type '{raw['model_type']}' ({exc})") from None
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as exc:
+        # Field and shape checks (e.g. hidden_size not a multiple of the heads) wrap the reason in __cause__.
+        reason = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ else exc
+        raise QShardError(f"{config_file}: invalid {model_type} configuration ({reason})") from None
     if getattr(hf_config, "is_encoder_decoder", False):
-        raise QShardError(f"{config_file}: {type(hf_config).__name__} is encoder-decoder; qshard trains decoder-only LMs")
+        raise QShardError(
+            f"{config_file}: {type(hf_config).__name__} (model_type '{model_type}') is encoder-decoder; "
+            "qshard trains decoder-only LMs"
+        )
     return hf_config
 
 
 def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
     """The causal LM with every parameter on the meta device: no memory, no initialization cost."""
+    # Asked up front: transformers' own error lists every causal-LM config class it knows, hundreds of them.
+    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise QShardError(
+            f"{type(hf_config).__name__} (model_type '{hf_config.model_type}') has no causal-LM class in "
+            "transformers, so qshard cannot train it"
+        )
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(
@@ -55,10 +75,8 @@ def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
                 attn_implementation=cfg.model.attn_implementation,
                 dtype=DTYPES[cfg.model.dtype],
             )
-        except ValueError as exc:
-            raise QShardError(
-                f"{type(hf_config).__name__} has no causal-LM class in transformers ({exc})"
-            ) from None
+        except ValueError as exc:  # e.g. an attn_implementation this architecture lacks
+            raise QShardError(f"cannot build {type(hf_config).__name__} ({exc})") from None
     return model
 
 
@@ -157,16 +175,20 @@ def _set_submodule(root: nn.Module, dotted: str, new: nn.Module) -> None:
 
 
 def rebuild_buffers(model: nn.Module) -> None:
-    """Recompute non-persistent buffers (rotary inverse frequencies), which are not in checkpoints and
-    were left uninitialized by building on meta. Hugging Face's own `_init_weights` knows how."""
+    """Recompute non-persistent buffers (rotary inverse frequencies): they are not in checkpoints, and
+    building on meta left them uninitialized. A fresh instance of the owning module, built from the
+    model config on CPU, computes them exactly as transformers does."""
     for name, module in model.named_modules():
         buffers = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
         if not buffers:
             continue
-        if "RotaryEmbedding" not in type(module).__name__:
+        try:
+            fresh = type(module)(module.config)
+        except (AttributeError, TypeError) as exc:
             raise QShardError(
                 f"{type(model).__name__}: module '{name}' ({type(module).__name__}) has computed buffers "
-                f"{buffers} that qshard cannot rebuild"
-            )
+                f"{buffers} that qshard cannot rebuild ({exc})"
+            ) from None
         with torch.no_grad():
-            model._init_weights(module)
+            for buffer in buffers:
+                getattr(module, buffer).copy_(getattr(fresh, buffer))

@@ -13,10 +13,19 @@ dim-0 shards always hold whole blocks and their own scales.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from bitsandbytes import functional as bnbf
+from torch.distributed.tensor import DTensor
+
+
+@functools.cache
+def _nf4_code(device: torch.device) -> torch.Tensor:
+    # Built once per device: creating it per call would be a host-to-device copy in every forward.
+    return bnbf.get_4bit_type("nf4", device=device)
 
 
 def quantize_nf4(weight: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +45,7 @@ def dequantize_nf4(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch
     state = bnbf.QuantState(
         absmax=absmax_bits.view(torch.float32).reshape(-1),
         shape=torch.Size((out_features, in_features)),
-        code=bnbf.get_4bit_type("nf4", device=packed.device),
+        code=_nf4_code(packed.device),
         blocksize=blocksize,
         quant_type="nf4",
         dtype=dtype,
@@ -48,22 +57,27 @@ def can_quantize(linear: nn.Linear, blocksize: int) -> bool:
     return linear.in_features % blocksize == 0
 
 
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    # Under FSDP2 the block's pre-forward all-gather has already put full tensors here; storage sharded
+    # as DTensor buffers (torch versions whose FSDP2 refuses integer params) is gathered on use.
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class _NF4Matmul(torch.autograd.Function):
-    """y = x W^T with W dequantized on the fly; backward dequantizes again instead of saving W,
-    so the activation memory of a frozen layer is its input only."""
+    """y = x W^T with W dequantized on the fly; backward dequantizes again instead of saving W (or the
+    gathered codes), so the activation memory of a frozen layer is its input only."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(packed, absmax)
-        return F.linear(x, dequantize_nf4(packed, absmax, x.dtype))
+    def forward(ctx, x: torch.Tensor, layer: NF4Linear) -> torch.Tensor:
+        ctx.layer = layer
+        return F.linear(x, layer.dequantized_weight(x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        packed, absmax = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ dequantize_nf4(packed, absmax, grad_out.dtype)
-        return grad_x, None, None
+            grad_x = grad_out @ ctx.layer.dequantized_weight(grad_out.dtype)
+        return grad_x, None
 
 
 class NF4Linear(nn.Module):
@@ -111,10 +125,10 @@ class NF4Linear(nn.Module):
         self.absmax.copy_(absmax)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return dequantize_nf4(self.packed, self.absmax, dtype)
+        return dequantize_nf4(_gathered(self.packed), _gathered(self.absmax), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _NF4Matmul.apply(x, self.packed, self.absmax)
+        y = _NF4Matmul.apply(x, self)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from qshard.config import Config
 from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, collate
 from qshard.parallel.distributed import DistEnv
+from qshard.parallel.fsdp import reshard_all
 from qshard.train.metrics import MetricsLog, Progress, peak_memory_gib
 from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -52,7 +53,6 @@ class Trainer:
         train_examples: list[Example],
         eval_examples: list[Example],
         pad_id: int,
-        metrics: MetricsLog,
     ) -> None:
         self.cfg, self.env, self.model = cfg, env, model
         self.train_examples, self.eval_examples, self.pad_id = train_examples, eval_examples, pad_id
@@ -64,7 +64,6 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, cfg.optim, env.device)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
-        self.metrics = metrics
         self.progress = Progress(self.total_steps, 0, env.is_main, t.log_every)
 
     # -----------------------------------------------------------------------------------------------------------
@@ -110,19 +109,22 @@ class Trainer:
         }
 
     # -----------------------------------------------------------------------------------------------------------
-    def fit(self) -> tuple[EvalResult, EvalResult, list[dict]]:
-        """Evaluate, train `total_steps` steps (evaluating every `eval_every`), evaluate again."""
+    def fit(self, metrics: MetricsLog) -> tuple[EvalResult | None, EvalResult | None, list[dict]]:
+        """Evaluate, train `total_steps` steps (evaluating every `eval_every`), evaluate again.
+        Without a held-out set (data.eval_fraction 0 and no eval file) there is nothing to evaluate."""
         torch.manual_seed(self.cfg.train.seed)
-        first = self.evaluate()
-        self.progress.message(f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})")
+        first = self.evaluate() if self.eval_examples else None
+        if first is not None:
+            self.progress.message(f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})")
         records, last = [], first
         for step in range(self.total_steps):
             record = self.step(step)
             every = self.cfg.train.eval_every
-            if (every and record["step"] % every == 0) or record["step"] == self.total_steps:
+            due = (every and record["step"] % every == 0) or record["step"] == self.total_steps
+            if due and self.eval_examples:
                 last = self.evaluate()
                 record["eval_loss"], record["eval_ppl"] = last.loss, last.perplexity
-            self.metrics.write(record)
+            metrics.write(record)
             self.progress.step(record)
             records.append(record)
         self.progress.close()
@@ -148,6 +150,9 @@ class Trainer:
             tokens += trained_tokens(batch)
         total_loss = self._all_sum_tensor(loss_sum)
         total_tokens = self._all_sum([tokens])[0]
+        # Without a backward to trigger it, modules that keep weights gathered after forward (the last
+        # block, the root) would stay unsharded, holding bf16 copies where the fp32 shards belong.
+        reshard_all(self.model)
         return EvalResult(total_loss / max(total_tokens, 1), total_tokens)
 
     # -----------------------------------------------------------------------------------------------------------

@@ -88,11 +88,11 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
         log.info("data: %d training and %d held-out examples", len(train_examples), len(eval_examples))
 
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = Trainer(cfg, env, model, train_examples, eval_examples, pad_id)  # checks the data fills a batch
     metrics = _open_outputs(cfg, env, out)
     try:
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        trainer = Trainer(cfg, env, model, train_examples, eval_examples, pad_id, metrics)
-        first, last, records = trainer.fit()
+        first, last, records = trainer.fit(metrics)
     finally:
         metrics.close()
 
@@ -103,10 +103,10 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
         "steps": len(records),
         "train_loss_first": records[0]["loss"] if records else None,
         "train_loss_last": records[-1]["loss"] if records else None,
-        "eval_loss_start": first.loss,
-        "eval_loss_end": last.loss,
-        "eval_ppl_start": first.perplexity,
-        "eval_ppl_end": last.perplexity,
+        "eval_loss_start": first.loss if first else None,
+        "eval_loss_end": last.loss if last else None,
+        "eval_ppl_start": first.perplexity if first else None,
+        "eval_ppl_end": last.perplexity if last else None,
         "elapsed_s": time.perf_counter() - started,
         "adapter": "adapter" if report.adapted else None,
     }
@@ -116,10 +116,10 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
                 out / "adapter", adapter_tensors, cfg.lora, export.target_modules(model), str(Path(cfg.model.path).resolve())
             )
         _write_json_atomic(out / "summary.json", summary)
-        log.info(
-            "held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f) after %d steps; results in %s",
-            first.loss, last.loss, first.perplexity, last.perplexity, len(records), out,
-        )
+        if first is not None:
+            log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
+                     first.loss, last.loss, first.perplexity, last.perplexity)
+        log.info("finished %d steps in %.1f s; results in %s", len(records), summary["elapsed_s"], out)
     dist.barrier()
     return RunResult(out, summary, model)
 

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random-weight models built on the spot (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Each test process (and each rank it spawns) uses one thread: two ranks spinning two OpenMP threads
+# each on a two-core machine slow down by orders of magnitude.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def cli_env() -> dict[str, str]:
+    """Environment for running `python -m qshard` from the source tree."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "qshard", *args]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Build each architecture's tiny model once per session: `tiny_models("qwen2")` -> directory."""
+    from qshard.demo import write_tiny_model
+
+    cache: dict[str, Path] = {}
+
+    def get(model_type: str = "llama", **overrides) -> Path:
+        key = model_type + repr(sorted(overrides.items()))
+        if key not in cache:
+            dest = tmp_path_factory.mktemp(f"tiny-{model_type}")
+            cache[key] = write_tiny_model(dest, model_type, num_hidden_layers=2, **overrides)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def dist_env():
+    """A world of one in this process (FSDP2 needs a process group even then)."""
+    from qshard.parallel.distributed import init_distributed, shutdown
+
+    env = init_distributed()
+    yield env
+    shutdown()

@@ -1,0 +1,132 @@
+"""Training end to end in this process, and the PEFT round trip for every supported architecture."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import cli, cli_env
+from qshard import export
+from qshard.config import Config
+from qshard.train.run import train
+
+def _config(model_dir, out, train_type="qlora", steps=6, dtype="bfloat16") -> Config:
+    from importlib import resources
+
+    cfg = Config()
+    cfg.model.path = str(model_dir)
+    cfg.data.path = str(resources.files("qshard") / "demo_data" / "train.jsonl")
+    cfg.data.eval_path = str(resources.files("qshard") / "demo_data" / "eval.jsonl")
+    cfg.data.max_length = 48
+    cfg.train.train_type = train_type
+    cfg.model.dtype = dtype
+    cfg.train.max_steps = steps
+    cfg.train.micro_batch_size = 4
+    cfg.optim.lr = 1e-2
+    cfg.output.dir = str(out)
+    return cfg.validate()
+
+
+def _peft_model(model_dir, adapter_dir, base_state, dtype):
+    """The base as transformers loads it, given qshard's base weights, with the adapter through PEFT."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    missing, unexpected = hf.load_state_dict(base_state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # only a tied head may be implied
+    return peft.PeftModel.from_pretrained(hf, adapter_dir).eval()
+
+
+def _check_roundtrip(result, model_dir, atol, dtype=torch.bfloat16):
+    model = result.model
+    adapter = result.out / "adapter"
+    saved = load_file(adapter / "adapter_model.safetensors")
+    base_state = dict(export.base_weights(model, dtype))
+    pm = _peft_model(model_dir, adapter, base_state, dtype)
+
+    # Every saved tensor landed in the PEFT model, and PEFT expects no tensor that is not saved.
+    loaded = {n.replace(".default", ""): p for n, p in pm.named_parameters() if "lora_" in n}
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(loaded[name].float(), tensor.float())
+    assert any(t.abs().sum() > 0 for n, t in saved.items() if "lora_B" in n)
+
+    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        ours = model(input_ids=ids, use_cache=False).logits.float()
+        theirs = pm(input_ids=ids).logits.float()
+    scale = ours.abs().max()
+    assert (ours - theirs).abs().max() <= atol * scale, float((ours - theirs).abs().max() / scale)
+    # and the adapter matters: without it the logits differ clearly
+    with pm.disable_adapter(), torch.no_grad():
+        plain = pm(input_ids=ids).logits.float()
+    assert (ours - plain).abs().max() > 5 * atol * scale
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_qlora_trains_and_peft_loads_it(model_type, tiny_models, tmp_path, dist_env):
+    """In fp32 qshard's trained model and transformers + PEFT on the same (dequantized) base agree tightly."""
+    model_dir = tiny_models(model_type)
+    result = train(_config(model_dir, tmp_path / "run", dtype="float32"), dist_env)
+    assert result.summary["eval_loss_end"] < result.summary["eval_loss_start"]
+    records = [json.loads(x) for x in (result.out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_mem_gib"} <= r.keys()
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0
+    _check_roundtrip(result, model_dir, atol=1e-4, dtype=torch.float32)
+
+
+def test_qlora_bf16_peft_logits_within_bf16_tolerance(tiny_models, tmp_path, dist_env):
+    """The default precision: bf16 compute here, fp32 adapter math in PEFT; a few bf16 ulps apart."""
+    model_dir = tiny_models("llama")
+    result = train(_config(model_dir, tmp_path / "run"), dist_env)
+    _check_roundtrip(result, model_dir, atol=0.03)
+
+
+def test_lora_on_bf16_base_roundtrip(tiny_models, tmp_path, dist_env):
+    model_dir = tiny_models("llama")
+    result = train(_config(model_dir, tmp_path / "run", train_type="lora"), dist_env)
+    _check_roundtrip(result, model_dir, atol=0.03)
+
+
+def test_full_finetune_trains_every_weight(tiny_models, tmp_path, dist_env):
+    model_dir = tiny_models("llama")
+    cfg = _config(model_dir, tmp_path / "run", train_type="full", steps=3)
+    cfg.optim.lr = 1e-3
+    result = train(cfg, dist_env)
+    params = dict(result.model.named_parameters())
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in params.values())
+    assert result.summary["adapter"] is None and not (result.out / "adapter").exists()
+    assert result.summary["eval_loss_end"] < result.summary["eval_loss_start"]
+
+
+def test_qlora_dtypes(tiny_models, tmp_path, dist_env):
+    """fp32 master weights and optimizer state for the adapters; frozen base integer/bf16."""
+    result = train(_config(tiny_models("llama"), tmp_path / "run", steps=1), dist_env)
+    for name, p in result.model.named_parameters():
+        if "lora_" in name:
+            assert p.requires_grad and p.dtype == torch.float32, name
+        elif name.endswith(("packed", "absmax")):
+            assert not p.requires_grad and not p.dtype.is_floating_point, name
+        else:
+            assert not p.requires_grad and p.dtype == torch.bfloat16, name
+
+
+def test_embedded_demo_end_to_end(tmp_path):
+    """`qshard train` with no model and no data: the shipped demo, whose held-out loss must fall."""
+    out = tmp_path / "demo"
+    proc = subprocess.run(cli("train", "--output-dir", str(out)), env=cli_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 500
+    assert summary["eval_loss_end"] < summary["eval_loss_start"] - 2.0, summary
+    assert "held-out loss" in proc.stderr
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "config.yaml").is_file() and (out / "demo-model" / "config.json").is_file()
