@@ -173,8 +173,6 @@ def test_missing_model_dir(inputs, tmp_path, capsys):
     assert_no_run(out)
 
 
-@pytest.mark.xfail(strict=True, reason="run.py loads the tokenizer before the model config, so a missing "
-                   "directory reads 'cannot load its tokenizer (Repo id must be ...)'")
 def test_missing_model_dir_says_not_found(inputs, tmp_path, capsys):
     code, err = run_in_process(train_args(tmp_path / "nope", inputs / "data.jsonl", tmp_path / "out"), capsys)
     assert_one_error(code, err, f"model directory not found: {tmp_path / 'nope'}")
@@ -227,8 +225,6 @@ def test_bad_model_config(inputs, tmp_path, capsys, corrupt, needles):
     assert_no_run(out)
 
 
-@pytest.mark.xfail(strict=True, reason="run.py loads the tokenizer first; AutoTokenizer re-raises "
-                   "transformers' config validation error, which load_tokenizer does not catch: a traceback")
 def test_invalid_config_values(inputs, tmp_path, capsys):
     model = copy_model(inputs, tmp_path / "model")
     edit_config(model, num_attention_heads=3)  # 128 is no multiple of 3
@@ -355,8 +351,6 @@ def test_bad_eval_data_and_missing_file(inputs, tmp_path, capsys):
     assert_no_run(out)
 
 
-@pytest.mark.xfail(strict=True, reason="run.py writes config.yaml and metrics.jsonl before the Trainer's "
-                   "batch sampler finds too few examples for one step: the failed run leaves run files")
 def test_too_few_examples_leaves_no_run(inputs, tmp_path, capsys):
     out = tmp_path / "out"
     args = train_args(inputs / "model", inputs / "data.jsonl", out, "--batch-size", "64")

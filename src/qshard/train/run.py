@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from qshard import config as config_mod
-from qshard import data, demo, export
+from qshard import data, demo, export, models
 from qshard.build import build_model, describe, load_tokenizer
 from qshard.config import Config
 from qshard.errors import QShardError
@@ -31,7 +31,12 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "adapter")
 
 
 def resolve_output_dir(cfg: Config) -> Path:
-    path = Path(cfg.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if cfg.output.dir is None:
+        # Rank 0 names it: ranks reading the clock on either side of a second would disagree.
+        name = [f"runs/{time.strftime('%Y%m%d-%H%M%S')}"]
+        dist.broadcast_object_list(name, src=0)
+        cfg.output.dir = name[0]
+    path = Path(cfg.output.dir)
     if path.exists() and not path.is_dir():
         raise QShardError(f"output.dir: {path} exists and is not a directory")
     taken = [name for name in RUN_FILES if (path / name).exists()]
@@ -81,6 +86,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
             log.info("no %s given: running the embedded demo", "model" if cfg.model.path is None else "data")
         _demo_inputs(cfg, env, out)
 
+    models.load_hf_config(cfg.model.path)  # the model directory's own errors first, before the tokenizer's
     tokenizer = load_tokenizer(cfg.model.path)
     train_examples, eval_examples = _load_data(cfg, tokenizer)
     model, report = build_model(cfg, env, cfg.model.path)
