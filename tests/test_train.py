@@ -57,8 +57,9 @@ def _check_roundtrip(result, model_dir, atol, dtype=torch.bfloat16):
 
     ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(0))
     model.eval()
+    device = next(model.parameters()).device
     with torch.no_grad():
-        ours = model(input_ids=ids, use_cache=False).logits.float()
+        ours = model(input_ids=ids.to(device), use_cache=False).logits.float().cpu()
         theirs = pm(input_ids=ids).logits.float()
     scale = ours.abs().max()
     assert (ours - theirs).abs().max() <= atol * scale, float((ours - theirs).abs().max() / scale)

@@ -42,13 +42,25 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record, so that `main()` called in-process
+    (tests, notebooks) follows a redirected stderr instead of holding on to the one it started with."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def _setup_logging() -> None:
     level = logging.INFO if _rank() == 0 else logging.ERROR
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s qshard: %(message)s", datefmt="%H:%M:%S"))
     log.handlers[:] = [handler]
     log.setLevel(level)
-    log.propagate = False
     # The launcher's own chatter (and its traceback of a child's exit) adds nothing to our one-line errors.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # transformers' advisory warnings repeat on every rank.

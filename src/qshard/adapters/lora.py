@@ -46,8 +46,9 @@ class LoRALinear(nn.Module):
         return a, b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        adapter = F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
-        return self.base(x) + adapter * self.scaling
+        # Scale the rank-r intermediate, not the out_features-wide result: same product, far fewer elements.
+        low_rank = F.linear(self.dropout(x), self.lora_A.to(x.dtype)) * self.scaling
+        return self.base(x) + F.linear(low_rank, self.lora_B.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}"
