@@ -10,7 +10,8 @@ def main() -> None:
     p.add_argument("metrics")
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
-    records = [json.loads(line) for line in open(args.metrics)]
+    with open(args.metrics) as f:
+        records = [json.loads(line) for line in f]
     steady = records[args.warmup:]
     step_s = statistics.median(r["step_time_s"] for r in steady)
     print(json.dumps({

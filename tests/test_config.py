@@ -355,7 +355,7 @@ def test_demo_preset_never_overrides_user_values(tmp_path):
     yaml_cfg = parse("--config", str(yaml_path))
     assert yaml_cfg.train.micro_batch_size == 2 and yaml_cfg.optim.warmup_steps == 0
     assert yaml_cfg.train.max_steps == DEMO_PRESET["train"]["max_steps"]
-    assert DEMO_PRESET == before  # resolving never edits the preset itself
+    assert before == DEMO_PRESET  # resolving never edits the preset itself
 
 
 # ----------------------------------------------------------------------------------------------- saving

@@ -10,9 +10,8 @@ import subprocess
 import pytest
 import torch
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
-
 from conftest import cli, cli_env
+from safetensors.torch import load_file
 
 
 def _losses(run_dir):
@@ -87,7 +86,8 @@ def _sharding_worker(rank: int, world: int, port: int, model_dir: str, result_di
     layer = model.model.layers[0]
     q = layer.self_attn.q_proj.base
     assert isinstance(q, NF4Linear)
-    stored = list(layer.named_parameters()) + [(n, b) for n, b in layer.named_buffers() if n.endswith(("packed", "absmax"))]
+    quant_buffers = [(n, b) for n, b in layer.named_buffers() if n.endswith(("packed", "absmax"))]
+    stored = list(layer.named_parameters()) + quant_buffers
     local = {n: p.to_local().clone() for n, p in stored}
     if how == "fsdp":
         layer.unshard()  # FSDP2's all-gather, as the forward does it

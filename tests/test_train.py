@@ -8,13 +8,14 @@ import subprocess
 import peft
 import pytest
 import torch
+from conftest import cli, cli_env
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import cli, cli_env
 from qshard import export
 from qshard.config import Config
 from qshard.train.run import train
+
 
 def _config(model_dir, out, train_type="qlora", steps=6, dtype="bfloat16") -> Config:
     from importlib import resources

@@ -211,7 +211,9 @@ def _make_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     hf_config = named_config(args.shape, **overrides)
     tokenizer = build_demo_tokenizer()
     if hf_config.vocab_size < len(tokenizer):
-        raise QShardError(f"--shape {args.shape}: vocabulary {hf_config.vocab_size} is smaller than the demo tokenizer's")
+        raise QShardError(
+            f"--shape {args.shape}: vocabulary {hf_config.vocab_size} is smaller than the demo tokenizer's"
+        )
     write_random_checkpoint(args.out, hf_config, seed=args.seed, device=args.device)
     # A small local tokenizer whose ids all fit the vocabulary, so the checkpoint trains as is.
     tokenizer.save_pretrained(args.out)

@@ -3,6 +3,7 @@ up front (before any weight or example is read), and saved beside every run as `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
@@ -221,10 +222,8 @@ def _coerce(tp: Any, value: Any, name: str, source: str) -> Any:
     if tp is float:
         number = None
         if isinstance(value, str):  # YAML 1.1 reads `5e-3` (no dot) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 number = float(value)
-            except ValueError:
-                pass
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value)
         # nan passes every `<=` range check below, and inf is no learning rate either.

@@ -76,8 +76,9 @@ class Trainer:
         # Normalize by the trained tokens of the whole global batch, all ranks and micro-batches, so the
         # gradient is the per-token mean however the batch is split. FSDP2 averages gradients over ranks;
         # multiplying by the world size turns that average back into the sum we want.
-        counts = self._all_sum([sum(trained_tokens(b) for b in batches), sum(int(b["attention_mask"].sum()) for b in batches)])
-        n_trained, n_input = counts
+        n_trained, n_input = self._all_sum(
+            [sum(trained_tokens(b) for b in batches), sum(int(b["attention_mask"].sum()) for b in batches)]
+        )
         scale = self.env.world_size / max(n_trained, 1)
 
         loss_sum = torch.zeros((), device=self.env.device)
@@ -115,7 +116,9 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)
         first = self.evaluate() if self.eval_examples else None
         if first is not None:
-            self.progress.message(f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})")
+            self.progress.message(
+                f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})"
+            )
         records, last = [], first
         for step in range(self.total_steps):
             record = self.step(step)

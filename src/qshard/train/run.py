@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import torch.nn as nn
-
 import torch.distributed as dist
+import torch.nn as nn
 
 from qshard import config as config_mod
 from qshard import data, demo, export, models
@@ -118,9 +117,8 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
     }
     if env.is_main:
         if report.adapted:
-            export.write_peft_adapter(
-                out / "adapter", adapter_tensors, cfg.lora, export.target_modules(model), str(Path(cfg.model.path).resolve())
-            )
+            base = str(Path(cfg.model.path).resolve())
+            export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(model), base)
         _write_json_atomic(out / "summary.json", summary)
         if first is not None:
             log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
