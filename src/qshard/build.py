@@ -1,6 +1,6 @@
-"""From a model directory to a sharded, loaded, trainable model, in the order FSDP2 wants:
-skeleton on meta -> module swaps -> checkpoint check -> checkpointing + fully_shard -> materialize
-this rank's shards -> stream weights -> initialize adapters."""
+"""From a model directory (or a named shape) to a sharded, loaded, trainable model, in the order FSDP2
+wants: skeleton on meta -> module swaps -> checkpoint check -> checkpointing + fully_shard -> materialize
+this rank's shards -> stream weights (from the files, from rank 0, or random) -> initialize adapters."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from qshard import loading, models
 from qshard.config import Config
 from qshard.errors import QShardError
-from qshard.models import SwapReport
+from qshard.models import DTYPES, SwapReport
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import parallelize
+from qshard.random_model import named_config
 
 log = logging.getLogger("qshard")
 
@@ -30,14 +31,37 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_model(cfg: Config, env: DistEnv, model_dir: str | Path) -> tuple[nn.Module, SwapReport]:
+def model_config(cfg: Config, model_dir: str | Path | None):
+    """A named shape (`model.shape`, random init only) or the model directory's config.json."""
+    if cfg.model.shape is not None:
+        return named_config(cfg.model.shape)
+    if model_dir is None:
+        raise QShardError("model.path: no model directory given (and no model.shape)")
+    return models.load_hf_config(model_dir)
+
+
+def random_init(cfg: Config) -> bool:
+    return cfg.model.init == "random" or cfg.model.shape is not None  # a named shape has no checkpoint
+
+
+def weight_source(cfg: Config, env: DistEnv, model_dir: str | Path | None, model: nn.Module):
+    """Where the frozen weights come from: this process's files, rank 0's files, or random values."""
+    if random_init(cfg):
+        return loading.RandomSource(model, cfg.train.seed, env.device, DTYPES[cfg.model.dtype])
+    if cfg.model.load_mode == "broadcast" and env.world_size > 1:
+        return loading.BroadcastSource(model_dir, env.is_main, env.device)
+    return loading.Checkpoint(model_dir)
+
+
+def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tuple[nn.Module, SwapReport]:
     """Every check that can fail on user input runs before the first weight is read."""
-    hf_config = models.load_hf_config(model_dir)
+    hf_config = model_config(cfg, model_dir)
     model = models.build_skeleton(hf_config, cfg)
     blocks = models.find_blocks(model, cfg.model.block_class)
     report = models.prepare_modules(model, blocks, cfg)
-    ckpt = loading.Checkpoint(model_dir)
-    loading.check_checkpoint(ckpt, model)
+    source = weight_source(cfg, env, model_dir, model)
+    if not random_init(cfg):
+        loading.check_checkpoint(source, model)
     if report.kept:
         log.warning("%d block linear(s) kept in %s: in_features not a multiple of quant.blocksize (%s, ...)",
                     len(report.kept), cfg.model.dtype, report.kept[0])
@@ -45,10 +69,11 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path) -> tuple[nn.Mo
     if report.quantized and env.is_main:
         log.info("NF4 storage sharded by %s", "FSDP2" if how == "fsdp" else "DTensor buffers (this torch's FSDP2 "
                  "refuses integer parameters)")
+    buffers = models.computed_buffers(model)
     model.to_empty(device=env.device)
-    loading.load_weights(model, ckpt, env.device)
+    models.restore_buffers(model, buffers)
+    loading.load_weights(model, source, env.device)
     loading.init_adapters(model, cfg.train.seed)
-    models.rebuild_buffers(model)
     return model, report
 
 

@@ -1,88 +1,104 @@
-"""Fill a sharded skeleton from a safetensors checkpoint, one tensor at a time.
+"""Fill a sharded skeleton from a checkpoint, one tensor at a time.
 
 The checkpoint is checked against the skeleton (every tensor present, every shape right, nothing
-unexplained) before anything is read. Then each tensor is read from the memory-mapped file, moved to
-this rank's device, quantized there if its layer is NF4, and only this rank's dim-0 slice is kept.
-No process ever holds more than one full tensor beyond its own shards.
+unexplained) before anything is read. Then each tensor is read into memory of its own (no long-lived
+mapping of the file, see `weight_files`), moved to this rank's device, quantized there if its layer is
+NF4, and only this rank's dim-0 slice is kept. Beyond its own shards a process holds at most two full
+tensors: the one being stored and the next one, read meanwhile.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
 from qshard.adapters import LoRALinear
 from qshard.errors import QShardError
 from qshard.quant import NF4Linear, quantize_nf4
+from qshard.quant.experts import NF4Experts
+from qshard.weight_files import SafetensorsFile, TensorInfo, TorchBinFile
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+BIN_FILE = "pytorch_model.bin"
 
 
 class Checkpoint:
-    """A single or sharded safetensors checkpoint: which file holds each tensor, and lazy reads."""
+    """A single or sharded safetensors checkpoint (or a legacy PyTorch `.bin` one): which file holds each
+    tensor, its shape and dtype from the file headers, and reads of one tensor at a time."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.dir = Path(model_dir)
-        self._handles: dict[Path, object] = {}
-        self.files: dict[str, Path] = self._tensor_files()
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        for path in sorted(set(self.files.values())):
-            handle = self._open(path)
-            for name in handle.keys():
-                # The index is authoritative: a tensor that a shard holds but the index assigns elsewhere
-                # (or nowhere) would have a shape here and no file to be read from.
-                if self.files.get(name) == path:
-                    self._shapes[name] = tuple(handle.get_slice(name).get_shape())
-        absent = sorted(n for n, p in self.files.items() if n not in self._shapes)
-        if absent:
-            raise QShardError(f"{self.files[absent[0]]}: tensor '{absent[0]}' listed in {INDEX_FILE} is absent")
+        self.files, self.index = self._tensor_files()
+        if self.index is None:  # a single file holds every tensor
+            single = self.dir / SINGLE_FILE
+            paths = [single if single.is_file() else self.dir / BIN_FILE]
+        else:
+            paths = sorted(set(self.files.values()))
+        self._readers = {p: (TorchBinFile if p.suffix == ".bin" else SafetensorsFile)(p) for p in paths}
+        self._open_bin: TorchBinFile | None = None
+        if self.index is None:
+            self.files = dict.fromkeys(self._readers[paths[0]].tensors, paths[0])
+        self._info: dict[str, TensorInfo] = {}
+        for name, path in self.files.items():
+            # The index is authoritative: a tensor that a shard holds but the index assigns elsewhere
+            # (or nowhere) has no file to be read from.
+            if name not in self._readers[path].tensors:
+                raise QShardError(f"{path}: tensor '{name}' listed in {self.index.name} is absent")
+            self._info[name] = self._readers[path].tensors[name]
 
-    def _tensor_files(self) -> dict[str, Path]:
-        index = self.dir / INDEX_FILE
-        if index.is_file():
+    def _tensor_files(self) -> tuple[dict[str, Path], Path | None]:
+        for index_name in (INDEX_FILE, BIN_INDEX_FILE):
+            index = self.dir / index_name
+            if not index.is_file():
+                continue
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise QShardError(f"{index}: not a valid safetensors index ({exc})") from None
-            files = {name: self.dir / fname for name, fname in weight_map.items()}
+                files = {str(name): self.dir / fname for name, fname in weight_map.items()}
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise QShardError(f"{index}: not a valid checkpoint index ({exc})") from None
             missing = sorted({p for p in files.values() if not p.is_file()})
             if missing:
                 raise QShardError(f"{index}: shard file {missing[0].name} is missing from {self.dir}")
-            return files
-        single = self.dir / SINGLE_FILE
-        if single.is_file():
-            return {name: single for name in self._open(single).keys()}
-        if list(self.dir.glob("*.bin")):
-            raise QShardError(f"{self.dir}: only PyTorch .bin weights found; qshard reads safetensors checkpoints")
-        raise QShardError(f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE}")
-
-    def _open(self, path: Path):
-        if path not in self._handles:
-            try:
-                self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-            except (SafetensorError, OSError) as exc:
-                raise QShardError(f"{path}: cannot read safetensors file ({exc})") from None
-        return self._handles[path]
+            return files, index
+        if (self.dir / SINGLE_FILE).is_file() or (self.dir / BIN_FILE).is_file():
+            return {}, None
+        raise QShardError(f"{self.dir}: no {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE} or {BIN_INDEX_FILE}")
 
     def names(self) -> set[str]:
-        return set(self._shapes)
+        return set(self._info)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
+        return self._info[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._info[name].dtype
 
     def read(self, name: str) -> torch.Tensor:
-        path = self.files[name]
-        try:
-            return self._open(path).get_tensor(name)
-        except (SafetensorError, OSError) as exc:
-            raise QShardError(f"{path}: cannot read tensor '{name}' ({exc})") from None
+        """The full tensor, in its stored dtype, in memory of its own (no mapping of the file stays)."""
+        reader = self._readers[self.files[name]]
+        if isinstance(reader, TorchBinFile) and reader is not self._open_bin:
+            if self._open_bin is not None:
+                self._open_bin.close()  # at most one .bin mapping at a time
+            self._open_bin = reader
+        return reader.read(name)
+
+    def close(self) -> None:
+        if self._open_bin is not None:
+            self._open_bin.close()
+            self._open_bin = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,6 +111,8 @@ def module_sources(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
 
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[nn.Module, str]]:
         yield module, prefix
+        if isinstance(module, NF4Experts):
+            return  # its NF4 children hold the module's own 3-D tensors, read under the module's names
         for name, child in module.named_children():
             child_prefix = prefix if isinstance(module, LoRALinear) and name == "base" else join_name(prefix, name)
             yield from walk(child, child_prefix)
@@ -111,6 +129,9 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
     expected: dict[str, tuple[int, ...]] = {}
     seen: set[int] = set()
     for module, prefix in module_sources(model):
+        if isinstance(module, NF4Experts):
+            expected.update({join_name(prefix, name): shape for name, shape in module.shapes.items()})
+            continue
         if isinstance(module, NF4Linear):
             expected[join_name(prefix, "weight")] = (module.out_features, module.in_features)
             if module.bias is not None:
@@ -131,7 +152,7 @@ def check_checkpoint(ckpt: Checkpoint, model: nn.Module) -> None:
     expected = expected_tensors(model)
     for name, shape in expected.items():
         if name not in ckpt.names():
-            where = f" (none in {INDEX_FILE})" if (ckpt.dir / INDEX_FILE).is_file() else ""
+            where = f" (none in {ckpt.index.name})" if getattr(ckpt, "index", None) is not None else ""
             raise QShardError(
                 f"{ckpt.dir}: checkpoint has no tensor '{name}' needed by {type(model).__name__}{where}"
             )
@@ -161,7 +182,8 @@ def _tied_names(model: nn.Module) -> set[str]:
 
 @torch.no_grad()
 def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's dim-0 slice of `full` into `param` (a DTensor sharded by FSDP2, or a plain tensor)."""
+    """Copy this rank's dim-0 slice of `full` into `param` (a DTensor sharded by FSDP2, or a plain tensor),
+    converting to the parameter's dtype."""
     if isinstance(param, DTensor):
         local = param.to_local()
         mesh = param.device_mesh
@@ -174,26 +196,95 @@ def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(piece)
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint, device: torch.device) -> None:
-    """Stream every checkpoint tensor the model needs into its (sharded) parameters on `device`."""
+class TensorSource(Protocol):
+    """Where full tensors come from: a checkpoint, random values, or rank 0 over the network."""
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
+    """(checkpoint name, how to store that full tensor) for every tensor the model needs, in module order."""
+    plan: list[tuple[str, Callable[[torch.Tensor], None]]] = []
     seen: set[int] = set()
     for module, prefix in module_sources(model):
-        if isinstance(module, NF4Linear):
-            weight = ckpt.read(join_name(prefix, "weight")).to(device)
-            packed, absmax = quantize_nf4(weight, module.blocksize)
-            del weight
-            copy_full(module.packed, packed)
-            copy_full(module.absmax, absmax)
+        if isinstance(module, NF4Experts):
+            for name in module.shapes:
+                plan.append((join_name(prefix, name), functools.partial(_store_nf4_experts, getattr(module, name))))
+        elif isinstance(module, NF4Linear):
+            plan.append((join_name(prefix, "weight"), functools.partial(_store_nf4, module)))
             if module.bias is not None:
-                copy_full(module.bias, ckpt.read(join_name(prefix, "bias")).to(device, module.bias.dtype))
-            continue
-        if isinstance(module, LoRALinear):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            copy_full(param, ckpt.read(join_name(prefix, name)).to(device, param.dtype))
+                plan.append((join_name(prefix, "bias"), functools.partial(copy_full, module.bias)))
+        elif not isinstance(module, LoRALinear):
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    plan.append((join_name(prefix, name), functools.partial(copy_full, param)))
+    return plan
+
+
+# glibc keeps freed buffers of a few MiB in its heap, where they count as resident and, interleaved with
+# the shards a CPU rank keeps, cannot be reused for larger tensors: hand them back every so often.
+TRIM_EVERY_BYTES = 256 << 20
+try:
+    _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+except (OSError, AttributeError):  # not glibc
+    _malloc_trim = None
+
+
+def _release_freed_memory() -> int:
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+    return 0
+
+
+def _store_nf4(module: NF4Linear, weight: torch.Tensor) -> None:
+    # Quantized from the stored dtype (fp32, fp16 or bf16) as is: no rounding through bf16 first.
+    packed, absmax = quantize_nf4(weight, module.blocksize)
+    copy_full(module.packed, packed)
+    copy_full(module.absmax, absmax)
+
+
+def _store_nf4_experts(layer: NF4Linear, weight: torch.Tensor) -> None:
+    _store_nf4(layer, weight.reshape(-1, weight.shape[-1]))  # [experts, out, in] -> experts' rows in turn
+
+
+class _Done:
+    """A read done in this thread, with the interface of a Future."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def result(self) -> torch.Tensor:
+        return self.value
+
+
+def load_weights(model: nn.Module, source: TensorSource, device: torch.device) -> None:
+    """Stream every tensor the model needs into its (sharded) parameters on `device`.
+
+    The next tensor is read by a helper thread while this one is moved, quantized and sliced (file
+    reads release the GIL), so at most two full tensors are held at once besides the rank's shards."""
+    plan = load_plan(model)
+    freed = 0
+    workers = 1 if getattr(source, "prefetch", True) else 0
+    with ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="qshard-read") as pool:
+        def fetch(i: int):
+            if i >= len(plan):
+                return None
+            return pool.submit(source.read, plan[i][0]) if workers else _Done(source.read(plan[i][0]))
+
+        pending = fetch(0)
+        for i, (_, store) in enumerate(plan):
+            full = pending.result()
+            pending = fetch(i + 1)
+            with torch.no_grad():
+                store(full.to(device))
+            freed += full.nbytes
+            del full
+            if freed > TRIM_EVERY_BYTES:
+                freed = _release_freed_memory()
+    _release_freed_memory()
+    if hasattr(source, "close"):
+        source.close()
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:
@@ -205,3 +296,76 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             a, b = module.init_adapter(generator)
             copy_full(module.lora_A, a.to(module.lora_A.device))
             copy_full(module.lora_B, b.to(module.lora_B.device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sources other than this process's own files.
+
+
+class RandomSource:
+    """Random weights for a model with no checkpoint, generated tensor by tensor on `device` (so a 70B
+    shape costs one tensor of host memory at most, none on a GPU run).
+
+    Each tensor's values depend only on the seed and its name, so every rank, whatever the world size,
+    generates the same full tensor and keeps its own slice; `random_model.write_random_checkpoint` writes
+    the same values."""
+
+    def __init__(self, model: nn.Module, seed: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.expected = expected_tensors(model)
+        self.seed, self.device, self.dtype = seed, device, dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        from qshard.random_model import random_tensor
+
+        return random_tensor(name, self.expected[name], self.seed, self.device, self.dtype)
+
+
+class BroadcastSource:
+    """Rank 0 reads each tensor from its files and broadcasts it; the other ranks need no files.
+
+    Every rank first gets rank 0's view of the checkpoint (names, shapes, dtypes, which file) or its
+    error, so all of them run the same checks and raise the same QShardError."""
+
+    prefetch = False  # collectives stay on the main thread, in plan order
+
+    def __init__(self, model_dir: str | Path, is_main: bool, device: torch.device) -> None:
+        self._ckpt: Checkpoint | None = None
+        self.device = device
+        meta: list = [None]
+        if is_main:
+            try:
+                self._ckpt = Checkpoint(model_dir)
+                meta[0] = ("ok", str(self._ckpt.dir), self._ckpt.index and str(self._ckpt.index),
+                           {n: (self._ckpt.shape(n), self._ckpt.dtype(n), str(p)) for n, p in self._ckpt.files.items()})
+            except QShardError as exc:
+                meta[0] = ("error", str(exc))
+        dist.broadcast_object_list(meta, src=0)
+        if meta[0][0] == "error":
+            raise QShardError(meta[0][1])
+        _, directory, index, tensors = meta[0]
+        self.dir, self.index = Path(directory), index and Path(index)
+        self._info = {n: (tuple(shape), dtype) for n, (shape, dtype, _) in tensors.items()}
+        self.files = {n: Path(p) for n, (_, _, p) in tensors.items()}
+
+    def names(self) -> set[str]:
+        return set(self._info)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._info[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._info[name][1]
+
+    def read(self, name: str) -> torch.Tensor:
+        shape, dtype = self._info[name]
+        if self._ckpt is not None:
+            tensor = self._ckpt.read(name).to(self.device)
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        # As bytes: every backend broadcasts uint8, not every one bf16 or bool.
+        dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=0)
+        return tensor
+
+    def close(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.close()

@@ -6,7 +6,9 @@ Nothing here knows about parallelism or checkpoint files; `loading` fills the sk
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,10 @@ from qshard.adapters import LoRALinear
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.quant import NF4Linear
+from qshard.quant.experts import NF4Experts, fused_expert_params
 from qshard.quant.nf4 import can_quantize
+
+log = logging.getLogger("qshard")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -68,16 +73,38 @@ def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
             f"{type(hf_config).__name__} (model_type '{hf_config.model_type}') has no causal-LM class in "
             "transformers, so qshard cannot train it"
         )
-    with torch.device("meta"):
+    attn = cfg.model.attn_implementation
+    with _parameters_on_meta():
         try:
-            model = AutoModelForCausalLM.from_config(
-                hf_config,
-                attn_implementation=cfg.model.attn_implementation,
-                dtype=DTYPES[cfg.model.dtype],
-            )
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=DTYPES[cfg.model.dtype])
         except ValueError as exc:  # e.g. an attn_implementation this architecture lacks
-            raise QShardError(f"cannot build {type(hf_config).__name__} ({exc})") from None
+            if attn != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+                raise QShardError(f"cannot build {type(hf_config).__name__} ({exc})") from None
+            # Some architectures (Gemma 2's logit soft-capping) have eager attention only.
+            log.warning("%s has no sdpa attention; using eager", type(hf_config).__name__)
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
+                                                     dtype=DTYPES[cfg.model.dtype])
     return model
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters are created on the meta device (no memory, no initialization cost) while buffers stay
+    real, on the CPU: computed buffers (rotary frequencies, embedding scales) are in no checkpoint, and
+    this way the architecture's own code computes them. Parameters are allocated but never touched on
+    the CPU before they move, so they cost address space, not resident memory."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def find_blocks(model: nn.Module, block_class: str | None) -> list[nn.Module]:
@@ -133,6 +160,8 @@ def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> S
     for name, module in list(model.named_modules()):
         if id(module) not in block_names:
             continue
+        if train_type == "qlora":
+            _quantize_experts(model, module, name, cfg.quant.blocksize, report)
         for sub_name, linear in list(module.named_modules()):
             if not isinstance(linear, nn.Linear):
                 continue
@@ -151,6 +180,29 @@ def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> S
             if base is not linear:
                 _set_submodule(module, sub_name, base)
     return report
+
+
+def _quantize_experts(model: nn.Module, block: nn.Module, block_name: str, blocksize: int,
+                      report: SwapReport) -> None:
+    """Swap each fused-experts module (3-D [experts, out, in] weights, transformers 5's MoE layout) of a
+    block for an NF4Experts; refuse an experts module holding anything else, which qshard cannot run."""
+    for sub_name, module in list(block.named_modules()):
+        shapes = fused_expert_params(module)
+        if not shapes:
+            continue
+        fqn = f"{block_name}.{sub_name}"
+        other = [n for n, p in module.named_parameters() if p.ndim != 3 or "." in n]
+        if other:
+            raise QShardError(
+                f"{type(model).__name__}: experts module '{fqn}' ({type(module).__name__}) has parameters "
+                f"besides 3-D [experts, out, in] weights ({', '.join(other)}), which qshard cannot quantize; "
+                "use train.train_type lora or full"
+            )
+        if any(shape[2] % blocksize for shape in shapes.values()):
+            report.kept.append(fqn)
+            continue
+        _set_submodule(block, sub_name, NF4Experts(module, blocksize))
+        report.quantized.append(fqn)
 
 
 def _resolve_targets(model: nn.Module, blocks: list[nn.Module], requested: list[str] | None) -> set[str]:
@@ -174,21 +226,13 @@ def _set_submodule(root: nn.Module, dotted: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def rebuild_buffers(model: nn.Module) -> None:
-    """Recompute non-persistent buffers (rotary inverse frequencies): they are not in checkpoints, and
-    building on meta left them uninitialized. A fresh instance of the owning module, built from the
-    model config on CPU, computes them exactly as transformers does."""
-    for name, module in model.named_modules():
-        buffers = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
-        if not buffers:
-            continue
-        try:
-            fresh = type(module)(module.config)
-        except (AttributeError, TypeError) as exc:
-            raise QShardError(
-                f"{type(model).__name__}: module '{name}' ({type(module).__name__}) has computed buffers "
-                f"{buffers} that qshard cannot rebuild ({exc})"
-            ) from None
-        with torch.no_grad():
-            for buffer in buffers:
-                getattr(module, buffer).copy_(getattr(fresh, buffer))
+def computed_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's real (non-meta) buffers, as built: `to_empty` wipes them, `restore_buffers` puts them back."""
+    return {name: buf.detach().clone() for name, buf in model.named_buffers() if buf.device.type != "meta"}
+
+
+@torch.no_grad()
+def restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    buffers = dict(model.named_buffers())
+    for name, value in saved.items():
+        buffers[name].copy_(value)

@@ -1,11 +1,12 @@
 """Random-weight Hugging Face checkpoints of any supported shape, for tests, the demo and benchmarks.
 
 Written tensor by tensor from a meta skeleton, so an 8B-shaped checkpoint never needs the whole model
-in memory: only the shard being filled (`max_shard_bytes`)."""
+in memory: only the shard being written (`max_shard_bytes`)."""
 
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import torch
@@ -59,38 +60,50 @@ def write_random_checkpoint(
     hf_config.save_pretrained(dest)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    # Shards are planned from the shapes first, so each can be generated and written on its own.
+    plan: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, param in skeleton.named_parameters():  # tied weights appear once
-        tensor = _random_like(name, param, generator, device, std)
-        if size and size + tensor.nbytes > max_shard_bytes:
-            shards.append({})
+        nbytes = param.numel() * dtype.itemsize
+        if size and size + nbytes > max_shard_bytes:
+            plan.append([])
             size = 0
-        shards[-1][name] = tensor.to("cpu", dtype)
-        size += tensor.nbytes
-    _save_shards(dest, shards)
+        plan[-1].append((name, tuple(param.shape)))
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(plan) == 1:
+        save_file(_generate(plan[0], seed, device, dtype, std), dest / "model.safetensors", metadata=meta)
+        return dest
+    weight_map, total = {}, 0
+    for i, names in enumerate(plan, start=1):
+        fname = f"model-{i:05d}-of-{len(plan):05d}.safetensors"
+        shard = _generate(names, seed, device, dtype, std)
+        save_file(shard, dest / fname, metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+        total += sum(t.nbytes for t in shard.values())
+        del shard
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return dest
 
 
-def _random_like(name: str, param: torch.Tensor, generator, device, std: float) -> torch.Tensor:
-    if param.ndim == 1:
-        fill = 0.0 if name.endswith("bias") else 1.0
-        return torch.full(param.shape, fill, device=device)
-    return torch.randn(param.shape, generator=generator, device=device).mul_(std)
+def random_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    seed: int,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    std: float = 0.02,
+) -> torch.Tensor:
+    """The random value of tensor `name`: a function of the seed and the name only, so that a checkpoint
+    written here and a model initialized at random (`model.init: random`) hold the same weights, whatever
+    the order or the process they are made in. 1-D tensors: zeros for biases, ones for norm scales."""
+    if len(shape) == 1:
+        return torch.full(shape, 0.0 if name.endswith("bias") else 1.0, dtype=dtype, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    out = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    return out.mul_(std).to(dtype)
 
 
-def _save_shards(dest: Path, shards: list[dict[str, torch.Tensor]]) -> None:
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], dest / "model.safetensors", metadata=meta)
-        return
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, dest / fname, metadata=meta)
-        weight_map.update({name: fname for name in shard})
-        total += sum(t.nbytes for t in shard.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+def _generate(names, seed, device, dtype, std) -> dict[str, torch.Tensor]:
+    return {name: random_tensor(name, shape, seed, device, dtype, std).cpu() for name, shape in names}

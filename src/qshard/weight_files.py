@@ -1,0 +1,134 @@
+"""Read checkpoint files tensor by tensor, without keeping them memory-mapped.
+
+A memory-mapped file's touched pages count as the process's resident memory until it is unmapped, so
+streaming a whole checkpoint through a mapping costs as much RSS as the checkpoint (16 GiB for an 8B
+model). Here each tensor is read with plain file reads into a buffer of its own: the file's pages stay in
+the kernel's page cache (shared, reclaimable, not ours) and the process holds one tensor at a time.
+
+safetensors layout: an 8-byte little-endian header length N, N bytes of JSON naming each tensor's
+dtype, shape and [begin, end) byte offsets into the data that follows the header.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qshard.errors import QShardError
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute position in the file
+    nbytes: int
+
+
+class SafetensorsFile:
+    """The header of one safetensors file, checked against the file's size; tensors read on demand."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(8)
+                if len(head) < 8:
+                    self._fail(f"{size} bytes, too short for a header")
+                header_len = int.from_bytes(head, "little")
+                if header_len > min(size - 8, MAX_HEADER_BYTES):
+                    self._fail(f"header length {header_len} exceeds the file's {size} bytes (truncated?)")
+                raw = f.read(header_len)
+        except OSError as exc:
+            self._fail(str(exc))
+        try:
+            header = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, or nesting deep enough to overflow
+            self._fail(f"header is not valid JSON ({type(exc).__name__}: {exc})")
+        if not isinstance(header, dict):
+            self._fail("header is not a JSON object")
+        header.pop("__metadata__", None)
+        self.tensors = {name: self._entry(name, e, 8 + header_len, size) for name, e in header.items()}
+
+    def _fail(self, reason: str, name: str | None = None):
+        what = f"tensor '{name}': " if name else ""
+        raise QShardError(f"{self.path}: cannot read safetensors file ({what}{reason})")
+
+    def _entry(self, name: str, entry, data_start: int, size: int) -> TensorInfo:
+        try:
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            self._fail(f"malformed header entry {entry!r}", name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
+            self._fail(f"offsets {[begin, end]} do not fit dtype {entry['dtype']} shape {list(shape)}", name)
+        if data_start + end > size:
+            self._fail(f"data ends at byte {data_start + end}, past the file's end at {size} (truncated?)", name)
+        return TensorInfo(dtype, shape, data_start + begin, nbytes)
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        out = torch.empty(info.shape, dtype=info.dtype)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        try:
+            # Unbuffered: straight from the page cache into the tensor, no intermediate copy.
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(info.offset)
+                done = 0
+                while done < info.nbytes:
+                    n = f.readinto(view[done:])
+                    if not n:
+                        self._fail("file ended while reading (truncated since it was opened?)", name)
+                    done += n
+        except OSError as exc:
+            self._fail(str(exc), name)
+        return out
+
+
+class TorchBinFile:
+    """A legacy PyTorch `.bin` state dict, read safely: `weights_only=True` runs no pickled code.
+
+    `mmap=True` keeps the tensors in the file until touched; the mapping lives only while this file is
+    the one being read (the caller keeps at most one open), so its resident pages are bounded by one shard."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._state: dict[str, torch.Tensor] | None = None
+        state = self._load()
+        self.tensors = {name: TensorInfo(t.dtype, tuple(t.shape), 0, t.nbytes) for name, t in state.items()}
+        self.close()
+
+    def _load(self) -> dict[str, torch.Tensor]:
+        if self._state is None:
+            try:
+                state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # noqa: BLE001 - unpickling raises anything from RuntimeError to EOFError
+                raise QShardError(f"{self.path}: cannot read PyTorch weights file ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise QShardError(f"{self.path}: not a state dict of tensors")
+            self._state = state
+        return self._state
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._load()[name].clone()  # a copy: the mapping goes when the file is closed
+
+    def close(self) -> None:
+        self._state = None

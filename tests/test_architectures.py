@@ -1,0 +1,102 @@
+"""Every supported architecture: a tiny random instance loads, trains QLoRA steps, and its PEFT adapter
+reproduces qshard's logits in transformers; models qshard cannot train are refused up front, by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_train import _check_roundtrip, _config
+
+from qshard.build import build_model
+from qshard.config import Config
+from qshard.errors import QShardError
+from qshard.quant import NF4Experts, NF4Linear
+from qshard.train.run import train
+
+MOE = dict(num_experts_per_tok=2, intermediate_size=128)
+ARCHITECTURES = {
+    "llama3-rope-scaling": ("llama", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "gemma2-tied": ("gemma2", dict(tie_word_embeddings=True)),
+    "gemma3-text-tied": ("gemma3_text", dict(tie_word_embeddings=True, sliding_window=16)),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "phi3": ("phi3", {}),
+    "mixtral": ("mixtral", dict(num_local_experts=4, **MOE)),
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=128, decoder_sparse_step=1, **MOE)),
+}
+# (Llama, Mistral, Qwen2 and Qwen3 without these twists are trained in test_train.py.)
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_architecture_trains_and_exports(name, tiny_models, tmp_path, dist_env):
+    model_type, overrides = ARCHITECTURES[name]
+    model_dir = tiny_models(model_type, **overrides)
+    cfg = _config(model_dir, tmp_path / "run", dtype="float32", steps=4)
+    cfg.train.eval_every = 0
+    result = train(cfg, dist_env)
+    summary = result.summary
+    assert summary["steps"] == 4 and summary["eval_loss_end"] < summary["eval_loss_start"]
+    model = result.model
+    assert any(isinstance(m, NF4Linear) for m in model.modules())
+    # Every frozen linear of the blocks is NF4: the plain linears left are LoRA's trainable A and B.
+    linears = [m for b in model.model.layers for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.weight.requires_grad for m in linears)
+    experts = [m for m in model.modules() if isinstance(m, NF4Experts)]
+    assert len(experts) == (2 if model_type in ("mixtral", "qwen3_moe") else 0)
+    if overrides.get("tie_word_embeddings"):
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    _check_roundtrip(result, model_dir, atol=1e-4, dtype=torch.float32)
+
+
+def test_experts_are_quantized_per_expert(tiny_models, dist_env):
+    """The fused [experts, out, in] weight's NF4 rows are each expert quantized on its own."""
+    from qshard.loading import Checkpoint
+    from qshard.quant import dequantize_nf4, quantize_nf4
+
+    model_dir = tiny_models("mixtral", num_local_experts=4, **MOE)
+    cfg = Config()
+    model, report = build_model(cfg, dist_env, model_dir)
+    layer = model.model.layers[0].mlp.experts
+    assert isinstance(layer, NF4Experts) and "model.layers.0.mlp.experts" in report.quantized
+    stored = Checkpoint(model_dir).read("model.layers.0.mlp.experts.down_proj")
+    for e in range(stored.shape[0]):
+        packed, absmax = quantize_nf4(stored[e], 64)
+        rows = slice(e * stored.shape[1], (e + 1) * stored.shape[1])
+        assert torch.equal(layer.down_proj.packed.to_local()[rows], packed)
+        assert torch.equal(layer.down_proj.absmax.to_local()[rows], absmax)
+    weight = dequantize_nf4(layer.down_proj.packed.to_local(), layer.down_proj.absmax.to_local(), torch.float32)
+    assert (weight.view(stored.shape) - stored.float()).abs().max() < 0.2 * stored.float().abs().max()
+
+
+def test_model_without_block_declaration_is_refused(tiny_models):
+    from qshard import models
+
+    model = models.build_skeleton(models.load_hf_config(tiny_models("llama")), Config())
+    model._no_split_modules = None  # as a model class that never declared its block
+    with pytest.raises(QShardError, match="LlamaForCausalLM does not declare _no_split_modules.*model.block_class"):
+        models.find_blocks(model, None)
+
+
+def test_blocks_without_linears_are_refused(tiny_models, dist_env):
+    cfg = Config()
+    cfg.model.block_class = "LlamaRMSNorm"  # a "block" that holds no linear layer
+    with pytest.raises(QShardError, match="LlamaForCausalLM: its blocks contain no nn.Linear"):
+        build_model(cfg, dist_env, tiny_models("llama"))
+
+
+def test_unquantizable_experts_module_is_refused(tiny_models, dist_env, monkeypatch):
+    """An experts module with more than 3-D weights (here a 2-D bias added to Mixtral's) is named and refused
+    before any weight is read."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    init = modeling_mixtral.MixtralExperts.__init__
+
+    def with_bias(self, config):
+        init(self, config)
+        self.down_bias = torch.nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+
+    monkeypatch.setattr(modeling_mixtral.MixtralExperts, "__init__", with_bias)
+    with pytest.raises(QShardError, match=r"MixtralForCausalLM: experts module 'model.layers.0.mlp.experts' "
+                                          r"\(MixtralExperts\).*down_bias.*train_type lora"):
+        build_model(Config(), dist_env, tiny_models("mixtral", num_local_experts=4, **MOE))
