@@ -63,6 +63,9 @@ def other_value(dotted: str, tp) -> tuple[str, object]:
         choice = next(c for c in reversed(typing.get_args(tp)) if c != default)
         return str(choice), choice
     if typing.get_origin(tp) is list:
+        item = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(item):  # data.sources: a list of {path, weight, ...} mappings
+            return "[{path: a.jsonl, weight: 2}]", [item(path="a.jsonl", weight=2.0)]
         return "q_proj,v_proj", ["q_proj", "v_proj"]
     if tp is bool:
         return str(not default).lower(), not default

@@ -243,7 +243,7 @@ def test_all_examples_dropped_is_an_error(tok, tmp_path):
         ([CHAT_OK, {"messages": [{"role": "bot", "content": "x"}]}], 2, "unknown role 'bot'"),
         ([{"messages": [{"role": "user", "content": None}]}], 1, "'content' must be a string, got null"),
         ([{"messages": [SYSTEM, {"role": "user", "content": "u"}]}], 1, "no assistant turn"),
-        ([{"text": "hello"}], 1, "cannot tell the data format"),
+        ([{"prompt": "hello"}], 1, "cannot tell the data format"),
     ],
 )
 def test_bad_records_name_file_and_line(tok, tmp_path, lines, line, problem):
@@ -256,7 +256,7 @@ def test_bad_files_and_options(tok, tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(QShardError, match=rf"^{re.escape(str(missing))}: data file not found"):
         load_examples(missing, tok, 128)
-    with pytest.raises(QShardError, match=rf"^{re.escape(str(tmp_path))}: data path is not a regular file"):
+    with pytest.raises(QShardError, match=rf"^{re.escape(str(tmp_path))}: the directory holds no data files"):
         load_examples(tmp_path, tok, 128)
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n  \n\n")

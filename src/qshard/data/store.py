@@ -1,0 +1,102 @@
+"""Tokenized examples on disk: token ids and labels in flat int32 files, read through memory maps, so a
+dataset larger than RAM costs only its page cache; and index views that select, repeat and join them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from qshard.data.example import Example
+
+IDS, LABELS, OFFSETS, META = "input_ids.bin", "labels.bin", "offsets.npy", "meta.json"
+
+
+class StoreWriter:
+    """Appends examples to a directory; `close` writes the offsets and the metadata that marks it complete."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._ids = (directory / IDS).open("wb")
+        self._labels = (directory / LABELS).open("wb")
+        self._offsets = [0]
+
+    def add(self, ids: np.ndarray, labels: np.ndarray) -> None:
+        self._ids.write(np.asarray(ids, dtype=np.int32).tobytes())
+        self._labels.write(np.asarray(labels, dtype=np.int32).tobytes())
+        self._offsets.append(self._offsets[-1] + len(ids))
+
+    def close(self, meta: dict) -> None:
+        self._ids.close()
+        self._labels.close()
+        np.save(self.directory / OFFSETS, np.asarray(self._offsets, dtype=np.int64))
+        (self.directory / META).write_text(json.dumps(meta, indent=1))
+
+    def abort(self) -> None:
+        self._ids.close()
+        self._labels.close()
+
+
+class TokenStore:
+    """A complete store directory, opened read-only."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.meta = json.loads((directory / META).read_text())
+        self.offsets = np.load(directory / OFFSETS)
+        total = int(self.offsets[-1])
+        # np.memmap refuses empty files; a store with no tokens has no examples to read anyway.
+        self.ids = np.memmap(directory / IDS, np.int32, "r", shape=(total,)) if total else np.zeros(0, np.int32)
+        self.labels = np.memmap(directory / LABELS, np.int32, "r", shape=(total,)) if total else np.zeros(0, np.int32)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def example(self, i: int) -> Example:
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Example(self.ids[start:end].tolist(), self.labels[start:end].tolist())
+
+
+class ExampleView(Sequence):
+    """Examples picked from stores by (store, index) pairs: a subset, a repetition or a join of them."""
+
+    def __init__(self, stores: list[TokenStore], refs: np.ndarray):
+        self.stores, self.refs = stores, refs  # refs: (n, 2) int64 of (store number, example number)
+
+    @classmethod
+    def of(cls, store: TokenStore) -> ExampleView:
+        n = len(store)
+        return cls([store], np.stack([np.zeros(n, np.int64), np.arange(n, dtype=np.int64)], axis=1))
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, i: int) -> Example:
+        s, j = self.refs[i]
+        return self.stores[s].example(int(j))
+
+    def lengths(self) -> np.ndarray:
+        out = np.empty(len(self.refs), np.int64)
+        for s, store in enumerate(self.stores):
+            mine = self.refs[:, 0] == s
+            out[mine] = store.lengths()[self.refs[mine, 1]]
+        return out
+
+    def subset(self, indices: Sequence[int] | np.ndarray) -> ExampleView:
+        return ExampleView(self.stores, self.refs[np.asarray(indices, dtype=np.int64)].reshape(-1, 2))
+
+    @staticmethod
+    def concat(views: list[ExampleView]) -> ExampleView:
+        stores, parts = [], []
+        for view in views:
+            refs = view.refs.copy()
+            refs[:, 0] += len(stores)
+            stores += view.stores
+            parts.append(refs)
+        return ExampleView(stores, np.concatenate(parts) if parts else np.zeros((0, 2), np.int64))

@@ -1,0 +1,231 @@
+"""Records to tokenized examples, in this process or in a pool of workers, with the bad-record and
+over-long policies applied and every outcome counted."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qshard.data.example import IGNORE_INDEX, Example
+from qshard.data.formats import FORMATS, detect_format
+from qshard.data.records import BadRecord, data_files, decode, read_raw
+from qshard.data.templates import Encoder
+from qshard.errors import QShardError
+
+logger = logging.getLogger("qshard")
+CHUNK = 512  # records per task sent to a worker
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything that decides how records become examples (and so part of the cache key)."""
+
+    max_length: int
+    format: str = "auto"
+    columns: tuple[tuple[str, str], ...] = ()  # (canonical field, record field)
+    chat_template: str = "auto"
+    train_on: str = "assistant"
+    overlong: str = "truncate"
+    on_bad_record: str = "error"
+
+    @property
+    def columns_map(self) -> dict[str, str]:
+        return dict(self.columns)
+
+    def check(self, source: Path) -> None:
+        if self.format not in FORMATS:
+            choices = ", ".join(FORMATS)
+            raise QShardError(
+                f"data format option: unknown format {self.format!r} for {source} (expected one of {choices})"
+            )
+        if not isinstance(self.max_length, int) or self.max_length < 1:
+            raise QShardError(f"max_length option: must be a positive integer, got {self.max_length!r} ({source})")
+        if self.overlong not in ("truncate", "drop"):
+            raise QShardError(f"data.overlong: must be truncate or drop, got {self.overlong!r}")
+        if self.on_bad_record not in ("error", "skip"):
+            raise QShardError(f"data.on_bad_record: must be error or skip, got {self.on_bad_record!r}")
+
+
+@dataclass
+class Stats:
+    records: int = 0
+    examples: int = 0
+    bad: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    dropped_untrainable: int = 0  # nothing left to train after truncation
+    first_bad: list[str] = field(default_factory=list)
+
+    def report(self, source: Path, opts: Options) -> None:
+        """Log what was left out or cut, then fail if nothing is left."""
+        if self.bad:
+            logger.warning("%s: skipped %d bad records of %d (first: %s)", source, self.bad, self.records,
+                           "; ".join(self.first_bad))
+        if self.dropped_untrainable:
+            logger.warning(
+                "%s: dropped %d of %d examples that have no trained token left after truncation to max_length=%d",
+                source, self.dropped_untrainable, self.records, opts.max_length,
+            )
+        if self.dropped_overlong:
+            logger.warning("%s: dropped %d of %d examples longer than max_length=%d (data.overlong: drop)",
+                           source, self.dropped_overlong, self.records, opts.max_length)
+        if self.truncated:
+            logger.info("%s: truncated %d of %d examples to max_length=%d", source, self.truncated, self.records,
+                        opts.max_length)
+        if not self.examples:
+            raise QShardError(
+                f"{source}: no usable examples: of {self.records} records, {self.bad} are bad, "
+                f"{self.dropped_overlong} are longer than max_length={opts.max_length} and dropped, and "
+                f"{self.dropped_untrainable} lose every trained token when truncated to max_length={opts.max_length}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------- encoding
+
+_worker_state: tuple[Encoder, Options] | None = None
+
+
+def _init_worker(tokenizer: Any, opts: Options) -> None:
+    global _worker_state
+    _worker_state = (Encoder(tokenizer, opts.chat_template, opts.train_on, dict(opts.columns)), opts)
+
+
+def _encode_chunk(fmt: str, items: list[tuple[str, Any]]) -> list[tuple]:
+    encoder, opts = _worker_state
+    return [_encode_one(encoder, opts, fmt, where, raw) for where, raw in items]
+
+
+def _encode_one(encoder: Encoder, opts: Options, fmt: str, where: str, raw: Any) -> tuple:
+    """One outcome: ("ok", ids, labels, truncated) | ("bad", message) | ("overlong",) | ("untrainable",)."""
+    try:
+        record = decode(where, raw)
+        if fmt == "auto":
+            fmt = detect_format(record, where, opts.columns_map)
+        ids, labels = encoder.encode(record, fmt, where)
+    except BadRecord as e:
+        return ("bad", str(e))
+    truncated = len(ids) > opts.max_length
+    if truncated:
+        if opts.overlong == "drop":
+            return ("overlong",)
+        ids, labels = ids[: opts.max_length], labels[: opts.max_length]
+    if all(label == IGNORE_INDEX for label in labels):
+        return ("untrainable",)
+    return ("ok", np.asarray(ids, np.int32), np.asarray(labels, np.int32), truncated)
+
+
+def _file_chunks(path: Path, opts: Options) -> Iterator[tuple[str, list[tuple[str, Any]]]]:
+    """(format, records) chunks of one file. With format auto the first usable record decides the
+    file's format; records before it (bad ones, with skip) are sent as auto and detected one by one."""
+    fmt, chunk = opts.format, []
+    for where, raw in read_raw(path):
+        if fmt == "auto":
+            try:
+                fmt = detect_format(decode(where, raw), where, opts.columns_map)
+            except BadRecord:
+                if opts.on_bad_record == "error":
+                    raise
+                chunk.append((where, raw))
+                continue
+            if chunk:
+                yield "auto", chunk
+                chunk = []
+        chunk.append((where, raw))
+        if len(chunk) == CHUNK:
+            yield fmt, chunk
+            chunk = []
+    if chunk:
+        yield fmt, chunk
+
+
+def encode_source(path: str | Path, tokenizer: Any, opts: Options, num_workers: int = 1,
+                  progress: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield (input_ids, labels) of every usable example of a file or directory, in file order.
+    Returns the Stats (the generator's return value); a bad record raises unless on_bad_record is skip."""
+    path = Path(path)
+    opts.check(path)
+    encoder = Encoder(tokenizer, opts.chat_template, opts.train_on, opts.columns_map)  # option errors up front
+    chunks = (item for file in data_files(path) for item in _file_chunks(file, opts))
+    if num_workers > 1:
+        results = _parallel(chunks, tokenizer, opts, num_workers)
+    else:
+        results = ([_encode_one(encoder, opts, fmt, where, raw) for where, raw in items] for fmt, items in chunks)
+    stats = Stats()
+    bar = _progress_bar(path) if progress else None
+    for outcomes in results:
+        for outcome in outcomes:
+            stats.records += 1
+            kind = outcome[0]
+            if kind == "ok":
+                stats.examples += 1
+                stats.truncated += outcome[3]
+                yield outcome[1], outcome[2]
+            elif kind == "bad":
+                if opts.on_bad_record == "error":
+                    raise BadRecord(outcome[1])
+                stats.bad += 1
+                if len(stats.first_bad) < 3:
+                    stats.first_bad.append(outcome[1])
+            elif kind == "overlong":
+                stats.dropped_overlong += 1
+            else:
+                stats.dropped_untrainable += 1
+        if bar is not None:
+            bar.update(len(outcomes))
+    if bar is not None:
+        bar.close()
+    return stats
+
+
+def _parallel(chunks, tokenizer, opts: Options, num_workers: int) -> Iterator[list[tuple]]:
+    """Results of the chunks in order, with at most 2 tasks per worker in flight, so that reading runs
+    only a little ahead of tokenizing and memory stays bounded however large the file. Spawned, not
+    forked: the parent may hold a process group's threads."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer, opts)) as pool:
+        pending: deque = deque()
+        for fmt, items in chunks:
+            pending.append(pool.apply_async(_encode_chunk, (fmt, items)))
+            if len(pending) >= 2 * num_workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _progress_bar(path: Path):
+    from tqdm import tqdm
+
+    return tqdm(desc=f"tokenizing {path.name}", unit=" examples", dynamic_ncols=True)
+
+
+def load_examples(path: str | Path, tokenizer: Any, max_length: int, fmt: str = "auto",
+                  **options: Any) -> list[Example]:
+    """Tokenize a data file or directory into a list of Examples, in memory (small data and tests;
+    training uses `dataset.load_datasets`, which stores them on disk).
+
+    ``fmt`` is one of FORMATS; "auto" decides by each file's first record, then requires it of all.
+    ``options`` are the other Options fields (columns as a dict, chat_template, train_on, overlong,
+    on_bad_record)."""
+    opts = make_options(max_length, fmt, **options)
+    gen = encode_source(path, tokenizer, opts)
+    examples = []
+    while True:
+        try:
+            ids, labels = next(gen)
+        except StopIteration as stop:
+            stop.value.report(Path(path), opts)
+            return examples
+        examples.append(Example(ids.tolist(), labels.tolist()))
+
+
+def make_options(max_length: int, fmt: str = "auto", columns: dict[str, str | None] | None = None,
+                 **rest: Any) -> Options:
+    pairs = tuple(sorted((k, v) for k, v in (columns or {}).items() if v))
+    return Options(max_length=max_length, format=fmt, columns=pairs, **rest)
