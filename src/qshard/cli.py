@@ -35,6 +35,8 @@ SHORTCUTS = {
     "--grad-accum": "train.grad_accum",
     "--max-length": "data.max_length",
     "--lora-rank": "lora.rank",
+    "--resume": "checkpoint.resume",
+    "--save-every": "checkpoint.every_steps",
 }
 
 
@@ -96,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--layers", type=int, help="override num_hidden_layers")
     make.add_argument("--device", default="cpu", help="where to generate the random values (cpu, cuda)")
+    exp = sub.add_parser("export", help="write a run's trained weights as a PEFT adapter or a merged model")
+    exp.add_argument("kind", choices=["adapter", "merged"], help="adapter: PEFT format; merged: full HF model")
+    exp.add_argument("--run", required=True, help="the run's output directory")
+    exp.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest complete one)")
+    exp.add_argument("--out", help="where to write (default: RUN/adapter or RUN/merged)")
+    exp.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors shard of a merged model")
     return parser
 
 
@@ -178,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = parse_args(argv)
         if args.command == "make-checkpoint":
             return _make_checkpoint(args, extra)
+        if args.command == "export":
+            return _export(args, extra)
         cfg = parse_train_config(args, extra)
         if cfg.parallel.nproc > 1 and not _launched():
             return launch(cfg.parallel.nproc, argv)
@@ -218,4 +228,15 @@ def _make_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     # A small local tokenizer whose ids all fit the vocabulary, so the checkpoint trains as is.
     tokenizer.save_pretrained(args.out)
     log.info("wrote a random %s checkpoint (with the demo tokenizer) to %s", args.shape, args.out)
+    return 0
+
+
+def _export(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise QShardError(f"unknown argument '{extra[0]}' for export")
+    from pathlib import Path
+
+    from qshard.export_cmd import run_export
+
+    run_export(args.kind, Path(args.run), args.checkpoint, Path(args.out) if args.out else None, args.max_shard_gib)
     return 0

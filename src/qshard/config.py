@@ -18,7 +18,7 @@ from qshard.errors import QShardError
 
 TrainType = Literal["qlora", "lora", "full"]
 Schedule = Literal["constant", "linear", "cosine"]
-DataFormat = Literal["auto", "instruction", "chat"]
+DataFormat = Literal["auto", "instruction", "chat", "sharegpt", "text"]
 
 
 @dataclass
@@ -30,6 +30,14 @@ class ModelConfig:
     # dtype of frozen, unquantized weights (embeddings, norms, lm_head, bf16 LoRA bases) and of compute.
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # Where the frozen weights come from: the checkpoint in `path`, or random values (benchmarks, shapes
+    # with no checkpoint), generated and quantized tensor by tensor.
+    init: Literal["checkpoint", "random"] = "checkpoint"
+    # A named shape (llama3-8b, llama3-70b, ...) instead of `path`'s config.json; implies init: random.
+    shape: str | None = None
+    # each_rank: every process reads the files; broadcast: rank 0 reads each tensor and sends it to
+    # the others (only rank 0's node needs the weight files).
+    load_mode: Literal["each_rank", "broadcast"] = "each_rank"
 
 
 @dataclass
@@ -48,14 +56,51 @@ class QuantConfig:
 
 
 @dataclass
-class DataConfig:
-    # JSONL file of training examples; empty means the embedded demo dataset.
+class ColumnsConfig:
+    # The record field that holds each standard field, where a dataset names it differently.
+    instruction: str | None = None
+    input: str | None = None
+    output: str | None = None
+    messages: str | None = None
+    conversations: str | None = None
+    text: str | None = None
+
+
+@dataclass
+class SourceConfig:
+    # Data file or directory of them (.jsonl, .json, .parquet, .csv).
     path: str | None = None
-    # JSONL file of held-out examples; if empty, `eval_fraction` of `path` is held out.
+    # Each example is used `weight` times per epoch (2: twice; 0.5: a seeded half).
+    weight: float = 1.0
+    format: DataFormat = "auto"
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+
+
+@dataclass
+class DataConfig:
+    # Data file or directory of training examples; empty (and no `sources`) means the embedded demo dataset.
+    path: str | None = None
+    # More training sources, mixed with weights: [{path, weight, format, columns}].
+    sources: list[SourceConfig] | None = None
+    # Held-out data file or directory; if empty, `eval_fraction` of each source is held out.
     eval_path: str | None = None
     eval_fraction: float = 0.05
     format: DataFormat = "auto"
     max_length: int = 512
+    # Chat template: the tokenizer's (auto falls back to alpaca when it has none) or a built-in one.
+    chat_template: Literal["auto", "tokenizer", "alpaca", "chatml"] = "auto"
+    # Which tokens the loss trains on: assistant turns (and instruction outputs) only, or all of them.
+    train_on: Literal["assistant", "all"] = "assistant"
+    # A malformed record stops the run, or is skipped and counted.
+    on_bad_record: Literal["error", "skip"] = "error"
+    # An example longer than max_length is cut to it, or left out (counted either way).
+    overlong: Literal["truncate", "drop"] = "truncate"
+    # Pack several examples into each sequence of up to max_length tokens (attention kept per example).
+    packing: bool = False
+    # Where tokenized data is cached; empty means $XDG_CACHE_HOME/qshard/data (~/.cache/qshard/data).
+    cache_dir: str | None = None
+    # Processes that tokenize in parallel (1: in the main process).
+    num_workers: int = 1
 
 
 @dataclass
@@ -103,6 +148,18 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Save a resumable checkpoint every N optimizer steps (and always at the end); 0: only at the end.
+    every_steps: int = 0
+    # Keep only the newest N complete checkpoints.
+    keep_last: int = 2
+    # Write checkpoints in a background thread while training goes on.
+    async_save: bool = True
+    # Resume from: none, auto (the newest complete checkpoint in output.dir, or start fresh), or a path.
+    resume: str | None = None
+
+
+@dataclass
 class OutputConfig:
     # Where config.yaml, metrics.jsonl, summary.json and adapter/ go; empty means runs/<timestamp>.
     dir: str | None = None
@@ -119,6 +176,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,6 +191,11 @@ class Config:
             raise QShardError("lora.target_modules: give at least one module name, or leave it empty for all")
         _positive("data.max_length", self.data.max_length)
         _in_range("data.eval_fraction", self.data.eval_fraction, 0.0, 1.0, high_open=True)
+        _positive("data.num_workers", self.data.num_workers)
+        for i, source in enumerate(self.data.sources or []):
+            if not source.path:
+                raise QShardError(f"data.sources[{i}].path: every source needs a path")
+            _positive(f"data.sources[{i}].weight", source.weight)
         _positive("optim.lr", self.optim.lr)
         _non_negative("optim.weight_decay", self.optim.weight_decay)
         _in_range("optim.beta1", self.optim.beta1, 0.0, 1.0, high_open=True)
@@ -149,6 +212,8 @@ class Config:
         _non_negative("train.eval_every", self.train.eval_every)
         _positive("train.log_every", self.train.log_every)
         _positive("parallel.nproc", self.parallel.nproc)
+        _non_negative("checkpoint.every_steps", self.checkpoint.every_steps)
+        _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         return self
 
 
@@ -316,7 +381,8 @@ def _merge_under(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def is_demo(tree: dict[str, Any]) -> bool:
     model, data = tree.get("model") or {}, tree.get("data") or {}
-    return not (isinstance(model, dict) and model.get("path")) and not (isinstance(data, dict) and data.get("path"))
+    has_data = isinstance(data, dict) and (data.get("path") or data.get("sources"))
+    return not (isinstance(model, dict) and model.get("path")) and not has_data
 
 
 def resolve(yaml_path: str | None, overrides: list[tuple[str, str]]) -> Config:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from qshard.adapters import LoRALinear
 from qshard.config import LoRAConfig
 from qshard.loading import join_name, module_sources
-from qshard.quant import NF4Linear, dequantize_nf4
+from qshard.quant import NF4Experts, NF4Linear, dequantize_nf4
 
 # PEFT stores a causal LM's adapter under the PeftModel -> LoraModel -> original model path.
 PEFT_PREFIX = "base_model.model."
@@ -90,20 +90,119 @@ def write_peft_adapter(
     tmp.rename(dest)
 
 
-def base_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
-    """Yield (checkpoint name, full tensor on CPU) for the frozen base, NF4 layers dequantized: the
-    weights the trained adapters were fitted to. A collective: every rank iterates it in step."""
-    def full(t: torch.Tensor) -> torch.Tensor:
-        return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
 
+
+def _dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(layer, NF4Linear):
+        return dequantize_nf4(_full(layer.packed), _full(layer.absmax), dtype)
+    return _full(layer.weight).to(dtype)
+
+
+def model_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge_adapters: bool = False):
+    """Yield (checkpoint name, full tensor on CPU), one at a time, under the base checkpoint's names:
+    NF4 layers dequantized; with `merge_adapters`, each adapted weight becomes W + (alpha/r) B A, summed
+    in fp32 before the cast. Without it, the base the adapters were fitted to.
+
+    A collective (sharded tensors are gathered): every rank must iterate it in step."""
+    skip: set[int] = set()
     seen: set[int] = set()
     for module, prefix in module_sources(model):
+        if id(module) in skip:
+            continue
+        if isinstance(module, LoRALinear):
+            if merge_adapters:
+                skip.add(id(module.base))
+                delta = (_full(module.lora_B).float() @ _full(module.lora_A).float()) * module.scaling
+                weight = _dense_weight(module.base, torch.float32) + delta
+                yield join_name(prefix, "weight"), weight.to(dtype).cpu()
+                if module.base.bias is not None:
+                    yield join_name(prefix, "bias"), _full(module.base.bias).to(dtype).cpu()
+            continue
+        if isinstance(module, NF4Experts):  # fused MoE experts: one NF4 layer per 3-D weight
+            for name, shape in module.shapes.items():
+                yield join_name(prefix, name), _dense_weight(getattr(module, name), dtype).view(shape).cpu()
+            continue
         if isinstance(module, NF4Linear):
-            yield join_name(prefix, "weight"), dequantize_nf4(full(module.packed), full(module.absmax), dtype).cpu()
+            yield join_name(prefix, "weight"), _dense_weight(module, dtype).cpu()
             if module.bias is not None:
-                yield join_name(prefix, "bias"), full(module.bias).to(dtype).cpu()
-        elif not isinstance(module, LoRALinear):
-            for name, param in module.named_parameters(recurse=False):
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield join_name(prefix, name), full(param).to(dtype).cpu()
+                yield join_name(prefix, "bias"), _full(module.bias).to(dtype).cpu()
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield join_name(prefix, name), _full(param).to(dtype).cpu()
+
+
+def base_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+    """The frozen base as the adapters saw it (NF4 dequantized), under the checkpoint's names."""
+    return model_weights(model, dtype, merge_adapters=False)
+
+
+# Files of a model directory that describe it rather than hold its weights: copied into a merged export.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def _retype_config(path: Path, dtype: torch.dtype) -> None:
+    """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared."""
+    config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = name
+    path.write_text(json.dumps(config, indent=2))
+
+
+def write_merged(
+    dest: Path,
+    weights,
+    base_dir: Path,
+    is_main: bool,
+    max_shard_bytes: int = 2 << 30,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """Write a Hugging Face model directory (config, tokenizer, sharded safetensors) from `weights`,
+    holding at most one shard in memory, atomically (a sibling `.tmp` renamed once complete).
+    Every rank consumes `weights` (it gathers shards); only the main rank writes."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for item in base_dir.iterdir():
+            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copy2(item, tmp / item.name)
+        _retype_config(tmp / "config.json", dtype)
+    shards: list[str] = []
+    weight_map: dict[str, str] = {}
+    current: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal current, size
+        if current and is_main:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(current, tmp / name, metadata={"format": "pt"})
+            shards.append(name)
+            weight_map.update(dict.fromkeys(current, name))
+        current, size = {}, 0
+
+    for name, tensor in weights:
+        if size and size + tensor.nbytes > max_shard_bytes:
+            flush()
+        current[name] = tensor.contiguous()
+        size += tensor.nbytes
+        total += tensor.nbytes
+    flush()
+    if not is_main:
+        return
+    # Name the shards "-of-N" now that N is known, as transformers' own checkpoints are named.
+    final_names = {old: f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i, old in enumerate(shards, start=1)}
+    for old, new in final_names.items():
+        (tmp / old).rename(tmp / new)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: final_names[v] for k, v in weight_map.items()}}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)

@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
-from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, collate
+from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, collate, input_tokens, model_inputs
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
 from qshard.train.metrics import MetricsLog, Progress, peak_memory_gib
@@ -23,7 +24,7 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     """Summed next-token cross-entropy over trained tokens, in fp32 (bf16 logits lose too much in the
     log-sum-exp over a large vocabulary). Summed, not averaged: the caller divides by the token count of
     the whole global batch so that every split of it gives the same gradient."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = model(**model_inputs(batch), use_cache=False).logits
     labels = batch["labels"][:, 1:]
     return F.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
@@ -32,6 +33,14 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass
+class FitResult:
+    first: EvalResult | None
+    last: EvalResult | None
+    records: list[dict]
+    preempted: bool = False
 
 
 @dataclass
@@ -64,7 +73,9 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, cfg.optim, env.device)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
-        self.progress = Progress(self.total_steps, 0, env.is_main, t.log_every)
+        self.progress = Progress(self.total_steps, env.is_main, t.log_every)
+        self.stop_requested = False  # set by the preemption signal handler
+        self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
 
     # -----------------------------------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -77,7 +88,7 @@ class Trainer:
         # gradient is the per-token mean however the batch is split. FSDP2 averages gradients over ranks;
         # multiplying by the world size turns that average back into the sum we want.
         n_trained, n_input = self._all_sum(
-            [sum(trained_tokens(b) for b in batches), sum(int(b["attention_mask"].sum()) for b in batches)]
+            [sum(trained_tokens(b) for b in batches), sum(input_tokens(b) for b in batches)]
         )
         scale = self.env.world_size / max(n_trained, 1)
 
@@ -110,28 +121,58 @@ class Trainer:
         }
 
     # -----------------------------------------------------------------------------------------------------------
-    def fit(self, metrics: MetricsLog) -> tuple[EvalResult | None, EvalResult | None, list[dict]]:
-        """Evaluate, train `total_steps` steps (evaluating every `eval_every`), evaluate again.
+    def fit(
+        self,
+        metrics: MetricsLog,
+        start_step: int = 0,
+        checkpoints: CheckpointManager | None = None,
+        first: EvalResult | None = None,
+    ) -> FitResult:
+        """Train from `start_step` to `total_steps` (evaluating every `eval_every` and at the end), saving
+        checkpoints as configured. Stops early, after saving, when a preemption signal arrived.
         Without a held-out set (data.eval_fraction 0 and no eval file) there is nothing to evaluate."""
-        torch.manual_seed(self.cfg.train.seed)
-        first = self.evaluate() if self.eval_examples else None
-        if first is not None:
+        if first is None and self.eval_examples:
+            first = self.evaluate()
             self.progress.message(
                 f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})"
             )
-        records, last = [], first
-        for step in range(self.total_steps):
+        self.progress.start(start_step)
+        result = FitResult(first=first, last=first, records=[])
+        for step in range(start_step, self.total_steps):
+            # Dropout's randomness is a function of the step, so a resumed run draws what it would have.
+            torch.manual_seed(hash((self.cfg.train.seed, step, self.env.rank)) & 0x7FFF_FFFF)
             record = self.step(step)
             every = self.cfg.train.eval_every
             due = (every and record["step"] % every == 0) or record["step"] == self.total_steps
             if due and self.eval_examples:
-                last = self.evaluate()
-                record["eval_loss"], record["eval_ppl"] = last.loss, last.perplexity
+                result.last = self.evaluate()
+                record["eval_loss"], record["eval_ppl"] = result.last.loss, result.last.perplexity
             metrics.write(record)
             self.progress.step(record)
-            records.append(record)
+            result.records.append(record)
+            result.preempted = self._agree(self.stop_requested)
+            if checkpoints is not None:
+                self._maybe_save(checkpoints, record["step"], result)
+            if result.preempted:
+                break
         self.progress.close()
-        return first, last, records
+        return result
+
+    def _maybe_save(self, checkpoints: CheckpointManager, done: int, result: FitResult) -> None:
+        checkpoints.poll()
+        every = self.cfg.checkpoint.every_steps
+        final = done == self.total_steps or result.preempted
+        if final or (every and done % every == 0):
+            meta = {**self.checkpoint_meta, "step": done, "scheduler": self.scheduler.state_dict(),
+                    "eval_loss_start": result.first.loss if result.first else None}
+            # The last save (or one forced by preemption) must be on disk before the process exits.
+            checkpoints.save(done, self.model, self.optimizer, meta, blocking=final)
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (a signal may reach only some processes)."""
+        t = torch.tensor([int(flag)], device=self.env.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     @torch.no_grad()
     def evaluate(self) -> EvalResult:

@@ -41,11 +41,14 @@ class MetricsLog:
 class Progress:
     """A tqdm bar on a terminal, plain log lines otherwise; silent on every rank but the first."""
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, log_every: int) -> None:
+    def __init__(self, total_steps: int, enabled: bool, log_every: int) -> None:
         self.enabled, self.log_every, self.total = enabled, log_every, total_steps
         self.bar = None
-        if enabled and sys.stderr.isatty():
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def start(self, start_step: int) -> None:
+        """Open the bar (on a terminal) at `start_step`: a resumed run's ETA counts only what is left."""
+        if self.enabled and sys.stderr.isatty():
+            self.bar = tqdm(total=self.total, initial=start_step, desc="train", dynamic_ncols=True)
 
     def step(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -3,9 +3,11 @@ every input has been checked, and summary.json (written last) marks a finished r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -14,13 +16,14 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn as nn
 
+from qshard import checkpoint, data, demo, export, models
 from qshard import config as config_mod
-from qshard import data, demo, export, models
 from qshard.build import build_model, describe, load_tokenizer
+from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.parallel.distributed import DistEnv, init_distributed, shutdown
-from qshard.train.loop import Trainer
+from qshard.train.loop import EvalResult, Trainer
 from qshard.train.metrics import MetricsLog
 
 log = logging.getLogger("qshard")
@@ -39,10 +42,10 @@ def resolve_output_dir(cfg: Config) -> Path:
     if path.exists() and not path.is_dir():
         raise QShardError(f"output.dir: {path} exists and is not a directory")
     taken = [name for name in RUN_FILES if (path / name).exists()]
-    if taken and not cfg.output.overwrite:
+    if taken and not cfg.output.overwrite and cfg.checkpoint.resume in (None, "none"):
         raise QShardError(
             f"output.dir: {path} already holds a run ({', '.join(taken)}); choose another directory "
-            "or pass --overwrite"
+            "or pass --overwrite (or --resume auto to continue it)"
         )
     return path
 
@@ -50,7 +53,7 @@ def resolve_output_dir(cfg: Config) -> Path:
 def _demo_inputs(cfg: Config, env: DistEnv, out: Path) -> None:
     """No model and no data given: the embedded demo (tiny random Llama, local tokenizer, shipped task)."""
     demo_data = resources.files("qshard") / "demo_data"
-    if cfg.data.path is None:
+    if cfg.data.path is None and not cfg.data.sources:
         cfg.data.path = str(demo_data / "train.jsonl")
         if cfg.data.eval_path is None:
             cfg.data.eval_path = str(demo_data / "eval.jsonl")
@@ -67,6 +70,7 @@ class RunResult:
     out: Path
     summary: dict
     model: nn.Module  # the trained, still sharded model (usable while the process group lives)
+    preempted: bool = False
 
 
 def run_training(cfg: Config) -> RunResult:
@@ -80,32 +84,68 @@ def run_training(cfg: Config) -> RunResult:
 def train(cfg: Config, env: DistEnv) -> RunResult:
     started = time.perf_counter()
     out = resolve_output_dir(cfg)
-    if cfg.data.path is None or cfg.model.path is None:
+    if (cfg.data.path is None and not cfg.data.sources) or cfg.model.path is None:
         if env.is_main:
             log.info("no %s given: running the embedded demo", "model" if cfg.model.path is None else "data")
         _demo_inputs(cfg, env, out)
 
     models.load_hf_config(cfg.model.path)  # the model directory's own errors first, before the tokenizer's
     tokenizer = load_tokenizer(cfg.model.path)
-    train_examples, eval_examples = _load_data(cfg, tokenizer)
+    train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
+    resume = checkpoint.resolve_resume(cfg, out)
+    resume_state, fingerprint = None, None
+    if resume is not None:  # refuse a foreign checkpoint before the model is built and loaded
+        resume_state = checkpoint.read_state(resume)
+        fingerprint = checkpoint.base_fingerprint(cfg.model.path)
+        checkpoint.check_compatible(resume, resume_state, cfg, fingerprint)
     model, report = build_model(cfg, env, cfg.model.path)
+    fingerprint = fingerprint or checkpoint.base_fingerprint(cfg.model.path)
     if env.is_main:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
         log.info("data: %d training and %d held-out examples", len(train_examples), len(eval_examples))
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = Trainer(cfg, env, model, train_examples, eval_examples, pad_id)  # checks the data fills a batch
-    metrics = _open_outputs(cfg, env, out)
-    try:
-        first, last, records = trainer.fit(metrics)
-    finally:
-        metrics.close()
+    trainer.checkpoint_meta = {
+        "base_model": str(Path(cfg.model.path).resolve()),
+        "base_fingerprint": fingerprint,
+        "world_size": env.world_size,
+        "global_batch": trainer.sampler.global_batch_size,
+        "config": cfg.to_dict(),
+    }
+    start_step, first = 0, None
+    if resume_state is not None:
+        load_started = time.perf_counter()
+        checkpoint.load(resume, model, trainer.optimizer)
+        trainer.scheduler.load_state_dict(resume_state["scheduler"])
+        start_step = resume_state["step"]
+        if resume_state.get("eval_loss_start") is not None:
+            first = EvalResult(resume_state["eval_loss_start"], 0)
+        _warn_if_data_order_changes(resume_state, trainer, env)
+        if env.is_main:
+            log.info("resumed from %s at step %d (checkpoint loaded in %.2f s)", resume, start_step,
+                     time.perf_counter() - load_started)
+
+    checkpoints = CheckpointManager(out / "checkpoints", cfg, env.is_main, env.device)
+    metrics = _open_outputs(cfg, env, out, keep_until=start_step)
+    with _preemption_handler(trainer):
+        try:
+            fit = trainer.fit(metrics, start_step, checkpoints, first)
+        finally:
+            metrics.close()
+    if fit.preempted:
+        if env.is_main:
+            log.info("preempted: saved step %d; continue with the same command plus --resume auto",
+                     fit.records[-1]["step"] if fit.records else start_step)
+        return RunResult(out, {}, model, preempted=True)
 
     adapter_tensors = export.gather_lora(model) if report.adapted else {}
+    records, first, last = fit.records, fit.first, fit.last
     summary = {
         "train_type": cfg.train.train_type,
         "world_size": env.world_size,
-        "steps": len(records),
+        "steps": trainer.total_steps,
+        "resumed_from_step": start_step or None,
         "train_loss_first": records[0]["loss"] if records else None,
         "train_loss_last": records[-1]["loss"] if records else None,
         "eval_loss_start": first.loss if first else None,
@@ -114,38 +154,61 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
         "eval_ppl_end": last.perplexity if last else None,
         "elapsed_s": time.perf_counter() - started,
         "adapter": "adapter" if report.adapted else None,
+        "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), trainer.total_steps)),
     }
     if env.is_main:
         if report.adapted:
             base = str(Path(cfg.model.path).resolve())
             export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(model), base)
         _write_json_atomic(out / "summary.json", summary)
-        if first is not None:
+        if first is not None and last is not None:
             log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
                      first.loss, last.loss, first.perplexity, last.perplexity)
-        log.info("finished %d steps in %.1f s; results in %s", len(records), summary["elapsed_s"], out)
+        log.info("finished %d steps in %.1f s; results in %s", trainer.total_steps, summary["elapsed_s"], out)
     dist.barrier()
     return RunResult(out, summary, model)
 
 
-def _load_data(cfg: Config, tokenizer) -> tuple[list[data.Example], list[data.Example]]:
-    examples = data.load_examples(cfg.data.path, tokenizer, cfg.data.max_length, cfg.data.format)
-    if cfg.data.eval_path:
-        return examples, data.load_examples(cfg.data.eval_path, tokenizer, cfg.data.max_length, cfg.data.format)
-    if cfg.data.eval_fraction == 0:
-        return examples, []
-    return data.split_held_out(examples, cfg.data.eval_fraction, cfg.train.seed)
+def _warn_if_data_order_changes(state: dict, trainer: Trainer, env: DistEnv) -> None:
+    if state.get("global_batch") != trainer.sampler.global_batch_size and env.is_main:
+        log.warning(
+            "the checkpoint was trained with a global batch of %s examples and this run uses %d: the data "
+            "order from here differs from the original run's (keep micro_batch_size x grad_accum x world "
+            "size equal to continue it exactly)", state.get("global_batch"), trainer.sampler.global_batch_size,
+        )
 
 
-def _open_outputs(cfg: Config, env: DistEnv, out: Path) -> MetricsLog:
-    """Only now, with every input checked, does the output directory get its run files."""
+@contextlib.contextmanager
+def _preemption_handler(trainer: Trainer):
+    """SIGTERM and SIGUSR1 (what SLURM sends before a kill) ask the trainer to finish the step, save and
+    stop; the default handlers come back afterwards."""
+
+    def request_stop(signum, _frame):
+        trainer.stop_requested = True
+        log.warning("received %s: finishing this step, then saving a checkpoint", signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _open_outputs(cfg: Config, env: DistEnv, out: Path, keep_until: int) -> MetricsLog:
+    """Only now, with every input checked, does the output directory get its run files. A resumed run
+    keeps the metrics of the steps it resumes after; the steps past its checkpoint are redone."""
     if not env.is_main:
         return MetricsLog(None)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "metrics.jsonl"):  # --overwrite: an old finished marker must not survive
-        (out / stale).unlink(missing_ok=True)
+    (out / "summary.json").unlink(missing_ok=True)  # an old finished marker must not survive
+    metrics_file = out / "metrics.jsonl"
+    kept = []
+    if keep_until and metrics_file.is_file():
+        kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= keep_until]
+    metrics_file.write_text("".join(line + "\n" for line in kept))
     config_mod.save(cfg, out / "config.yaml")
-    return MetricsLog(out / "metrics.jsonl")
+    return MetricsLog(metrics_file)
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:

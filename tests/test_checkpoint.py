@@ -1,0 +1,241 @@
+"""Checkpoints: exact resume, preemption, SIGKILL mid-save, resharding, exports, and bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import resource
+import signal
+import subprocess
+import time
+from importlib import resources
+
+import pytest
+import torch
+from conftest import cli, cli_env
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from qshard import export
+from qshard.checkpoint import STATE_FILE, complete_checkpoints
+from qshard.config import Config
+from qshard.train.run import train
+
+DEMO = resources.files("qshard") / "demo_data"
+STEPS = 24
+
+
+def _args(model_dir, out, *extra):
+    return cli(
+        "train", "--model", str(model_dir), "--data", str(DEMO / "train.jsonl"), "--eval-data",
+        str(DEMO / "eval.jsonl"), "--output-dir", str(out), "--max-length", "48", "--batch-size", "2",
+        "--lr", "1e-2", "--max-steps", str(STEPS), "--model.dtype", "float32", "--lora.dropout", "0.1",
+        *extra,
+    )
+
+
+def _run(args, **kw):
+    proc = subprocess.run(args, env=cli_env(), capture_output=True, text=True, timeout=300, **kw)
+    return proc
+
+
+def _losses(out):
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _start_and_interrupt(args, out, when, sig):
+    """Start a run, wait until `when(out)` holds, send `sig`; return the finished process."""
+    proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not when(out):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(args, proc.returncode, "", stderr)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_models):
+    out = tmp_path_factory.mktemp("full") / "run"
+    proc = _run(_args(tiny_models("llama"), out, "--save-every", "6", "--checkpoint.keep_last", "5"))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_preempted_run_resumes_bit_for_bit(uninterrupted, tiny_models, tmp_path):
+    out = tmp_path / "run"
+    args = _args(tiny_models("llama"), out, "--save-every", "6")
+    started = lambda o: (o / "metrics.jsonl").is_file() and (o / "metrics.jsonl").read_text().count("\n") >= 3  # noqa: E731
+    proc = _start_and_interrupt(args, out, started, signal.SIGTERM)
+    assert proc.returncode == 0, proc.stderr
+    assert "preempted: saved step" in proc.stderr and "--resume auto" in proc.stderr
+    assert not (out / "summary.json").exists()  # not finished, and does not look finished
+    saved = complete_checkpoints(out / "checkpoints")[-1]
+    stopped_at = json.loads((saved / STATE_FILE).read_text())["step"]
+    assert 3 <= stopped_at < STEPS and len(_losses(out)) == stopped_at
+
+    resumed = _run(args + ["--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at step {stopped_at}" in resumed.stderr
+    assert _losses(out) == _losses(uninterrupted)  # bit for bit, dropout included
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == stopped_at and summary["steps"] == STEPS
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(uninterrupted, tiny_models, tmp_path):
+    out = tmp_path / "run"
+    args = _args(tiny_models("llama"), out, "--save-every", "1", "--checkpoint.keep_last", "3")
+
+    def saving_after_first(o):  # a save in progress while an earlier one is complete
+        root = o / "checkpoints"
+        return root.is_dir() and complete_checkpoints(root) and any(p.suffix == ".tmp" for p in root.iterdir())
+
+    proc = _start_and_interrupt(args, out, saving_after_first, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    done = complete_checkpoints(out / "checkpoints")
+    assert done and all((p / STATE_FILE).is_file() and (p / "config.yaml").is_file() for p in done)
+    resumed = _run(args + ["--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr
+    last = json.loads((done[-1] / STATE_FILE).read_text())["step"] if done[-1].exists() else None
+    assert last is None or f"at step {last}" in resumed.stderr
+    assert _losses(out) == _losses(uninterrupted)
+    assert not any(p.suffix == ".tmp" for p in (out / "checkpoints").iterdir())
+
+
+def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path):
+    """Saved by 2 ranks, resumed by 1 with the same global batch: DCP reshards, the data order goes on.
+    (No dropout here: its masks depend on how the batch is split over ranks.)"""
+    two = tmp_path / "ws2"
+    proc = _run(_args(tiny_models("llama"), two, "--nproc", "2", "--batch-size", "1", "--save-every", "6",
+                      "--checkpoint.keep_last", "5", "--lora.dropout", "0"))
+    assert proc.returncode == 0, proc.stderr
+    one = tmp_path / "ws1"
+    resumed = _run(_args(tiny_models("llama"), one, "--resume", str(two / "checkpoints" / "step-00000012"),
+                         "--lora.dropout", "0"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 12" in resumed.stderr
+    torch.testing.assert_close(torch.tensor(_losses(one)), torch.tensor(_losses(two)[12:]), rtol=1e-5, atol=1e-5)
+
+
+def test_exported_adapter_and_merged_model(uninterrupted, tiny_models, tmp_path):
+    proc = _run(cli("export", "adapter", "--run", str(uninterrupted), "--out", str(tmp_path / "adapter")))
+    assert proc.returncode == 0, proc.stderr
+    ours = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    trained = load_file(uninterrupted / "adapter" / "adapter_model.safetensors")
+    assert ours.keys() == trained.keys() and all(torch.equal(ours[k], trained[k]) for k in ours)
+
+    proc = _run(cli("export", "merged", "--run", str(uninterrupted), "--out", str(tmp_path / "merged")))
+    assert proc.returncode == 0, proc.stderr
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged").dtype == torch.bfloat16
+    # Computed in fp32 from the stored bf16 weights, so that only the weights' rounding is compared.
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    import peft
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_models("llama"), dtype=torch.float32)
+    nf4_base = dict(_base_state_of(uninterrupted, tiny_models("llama")))
+    base.load_state_dict(nf4_base, strict=False)
+    reference = peft.PeftModel.from_pretrained(base, uninterrupted / "adapter").eval()
+    ids = torch.randint(3, 400, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = merged(input_ids=ids).logits.float()
+        b = reference(input_ids=ids).logits.float()
+    assert (a - b).abs().max() <= 0.02 * b.abs().max(), float((a - b).abs().max() / b.abs().max())
+
+
+def _base_state_of(run_dir, model_dir):
+    """The NF4-dequantized base the run trained on, computed here through qshard's own quantizer."""
+    from qshard.loading import Checkpoint
+    from qshard.quant import dequantize_nf4, quantize_nf4
+
+    ckpt = Checkpoint(model_dir)
+    for name in sorted(ckpt.names()):
+        tensor = ckpt.read(name)
+        if ".layers." in name and name.endswith("proj.weight"):
+            tensor = dequantize_nf4(*quantize_nf4(tensor, 64), torch.float32)
+        yield name, tensor.float()
+
+
+def test_merged_weights_match_trained_model_in_process(tiny_models, tmp_path, dist_env):
+    cfg = Config()
+    cfg.model.path, cfg.model.dtype = str(tiny_models("qwen2")), "float32"
+    cfg.data.path, cfg.data.eval_path, cfg.data.max_length = str(DEMO / "train.jsonl"), str(DEMO / "eval.jsonl"), 48
+    cfg.train.max_steps, cfg.optim.lr, cfg.output.dir = 4, 1e-2, str(tmp_path / "run")
+    result = train(cfg.validate(), dist_env)
+    export.write_merged(tmp_path / "merged", export.model_weights(result.model, torch.float32, merge_adapters=True),
+                        tiny_models("qwen2"), is_main=True, max_shard_bytes=200_000, dtype=torch.float32)
+    assert len(list((tmp_path / "merged").glob("model-*-of-*.safetensors"))) > 1  # sharded as asked
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = torch.randint(3, 400, (2, 20), generator=torch.Generator().manual_seed(1))
+    result.model.eval()
+    with torch.no_grad():
+        ours = result.model(input_ids=ids, use_cache=False).logits
+        theirs = merged(input_ids=ids).logits
+    assert (ours - theirs).abs().max() <= 1e-4 * ours.abs().max()
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+
+def _error_line(proc):
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("qshard: error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_resume_refuses_another_base_model(uninterrupted, tiny_models, tmp_path):
+    ckpt = uninterrupted / "checkpoints" / f"step-{STEPS:08d}"
+    other = tiny_models("llama", seed=5)
+    proc = _run(_args(other, tmp_path / "x", "--resume", str(ckpt)))
+    assert "another base model" in _error_line(proc)
+    proc = _run(_args(tiny_models("llama"), tmp_path / "y", "--resume", str(ckpt), "--lora-rank", "4"))
+    assert "lora.rank" in _error_line(proc)
+    assert not (tmp_path / "x" / "config.yaml").exists() and not (tmp_path / "y" / "config.yaml").exists()
+
+
+def test_corrupt_checkpoint_is_a_clear_error(uninterrupted, tiny_models, tmp_path):
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted / "checkpoints" / f"step-{STEPS:08d}", ckpt)
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = _run(_args(tiny_models("llama"), tmp_path / "x", "--resume", str(ckpt)))
+    assert str(ckpt) in _error_line(proc)
+    (ckpt / STATE_FILE).write_text("{not json")
+    proc = _run(_args(tiny_models("llama"), tmp_path / "y", "--resume", str(ckpt)))
+    assert "trainer_state.json:1" in _error_line(proc)
+
+
+def test_full_disk_during_save_leaves_previous_checkpoint(tiny_models, tmp_path):
+    out = tmp_path / "run"
+    args = _args(tiny_models("llama"), out, "--max-steps", "4", "--save-every", "2", "--checkpoint.async_save", "false")
+    first = _run(args)
+    assert first.returncode == 0, first.stderr
+    before = {p.name: (p / STATE_FILE).read_bytes() for p in complete_checkpoints(out / "checkpoints")}
+
+    def small_files():  # a 'disk' that takes no file over 64 KiB: the checkpoint shard does not fit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    more = _args(tiny_models("llama"), out, "--max-steps", "8", "--save-every", "2", "--checkpoint.async_save",
+                 "false", "--resume", "auto")
+    proc = _run(more, preexec_fn=small_files)
+    assert "saving checkpoint" in _error_line(proc)
+    after = {p.name: (p / STATE_FILE).read_bytes() for p in complete_checkpoints(out / "checkpoints")}
+    assert after == before  # the earlier checkpoints are untouched, and no partial one counts
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("how", ["fsdp", "dtensor"])
+def test_checkpoint_holds_only_what_trains(tiny_models, tmp_path, how):
+    """The frozen base (NF4 codes and scales, params or DTensor buffers) is rebuilt, never saved."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = tmp_path / "run"
+    proc = _run(_args(tiny_models("llama"), out, "--max-steps", "2", "--parallel.quant_sharding", how))
+    assert proc.returncode == 0, proc.stderr
+    keys = FileSystemReader(str(complete_checkpoints(out / "checkpoints")[-1])).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert len(model_keys) == 2 * 7 * 2 and all(k.endswith(("lora_A", "lora_B")) for k in model_keys)
+    assert any(k.startswith("optim.state.") for k in keys)
