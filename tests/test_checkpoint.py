@@ -239,3 +239,43 @@ def test_checkpoint_holds_only_what_trains(tiny_models, tmp_path, how):
     model_keys = [k for k in keys if k.startswith("model.")]
     assert len(model_keys) == 2 * 7 * 2 and all(k.endswith(("lora_A", "lora_B")) for k in model_keys)
     assert any(k.startswith("optim.state.") for k in keys)
+
+
+def test_full_finetune_checkpoint_and_consolidated_export(tiny_models, tmp_path, dist_env):
+    """Full fine-tuning saves every weight, and the merged export is the trained model itself."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    cfg = Config()
+    cfg.model.path, cfg.model.dtype, cfg.train.train_type = str(tiny_models("llama")), "float32", "full"
+    cfg.data.path, cfg.data.eval_path, cfg.data.max_length = str(DEMO / "train.jsonl"), str(DEMO / "eval.jsonl"), 48
+    cfg.train.max_steps, cfg.optim.lr, cfg.output.dir = 2, 1e-3, str(tmp_path / "run")
+    result = train(cfg.validate(), dist_env)
+    saved = FileSystemReader(str(complete_checkpoints(tmp_path / "run" / "checkpoints")[-1])).read_metadata()
+    model_keys = {k for k in saved.state_dict_metadata if k.startswith("model.")}
+    assert model_keys == {f"model.{n}" for n, _ in result.model.named_parameters()}
+    export.write_merged(tmp_path / "merged", export.model_weights(result.model, torch.float32, merge_adapters=True),
+                        tiny_models("llama"), is_main=True, dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = torch.randint(3, 400, (1, 16), generator=torch.Generator().manual_seed(2))
+    result.model.eval()
+    with torch.no_grad():
+        ours = result.model(input_ids=ids, use_cache=False).logits
+        theirs = merged(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_sigusr1_saves_and_exits_and_partial_checkpoints_are_refused(tiny_models, tmp_path):
+    out = tmp_path / "run"
+    args = _args(tiny_models("llama"), out, "--save-every", "100")
+    started = lambda o: (o / "metrics.jsonl").is_file() and (o / "metrics.jsonl").read_text().count("\n") >= 2  # noqa: E731
+    proc = _start_and_interrupt(args, out, started, signal.SIGUSR1)
+    assert proc.returncode == 0 and "received SIGUSR1" in proc.stderr, proc.stderr
+    [saved] = complete_checkpoints(out / "checkpoints")
+    partial = saved.with_name(saved.name + ".tmp")
+    saved.rename(partial)
+    (partial / STATE_FILE).unlink()  # what a save killed before its end leaves behind
+    refused = _run(_args(tiny_models("llama"), tmp_path / "other", "--resume", str(partial)))
+    assert "not a complete qshard checkpoint" in _error_line(refused)
+    fresh = _run(args + ["--resume", "auto", "--max-steps", "2"])  # auto ignores the partial one: a fresh start
+    assert fresh.returncode == 0, fresh.stderr
+    assert "resumed from" not in fresh.stderr
