@@ -157,21 +157,29 @@ def _base_state_of(run_dir, model_dir):
 
 
 def test_merged_weights_match_trained_model_in_process(tiny_models, tmp_path, dist_env):
-    cfg = Config()
-    cfg.model.path, cfg.model.dtype = str(tiny_models("qwen2")), "float32"
-    cfg.data.path, cfg.data.eval_path, cfg.data.max_length = str(DEMO / "train.jsonl"), str(DEMO / "eval.jsonl"), 48
-    cfg.train.max_steps, cfg.optim.lr, cfg.output.dir = 4, 1e-2, str(tmp_path / "run")
-    result = train(cfg.validate(), dist_env)
-    export.write_merged(tmp_path / "merged", export.model_weights(result.model, torch.float32, merge_adapters=True),
-                        tiny_models("qwen2"), is_main=True, max_shard_bytes=200_000, dtype=torch.float32)
+    result = train(_fp32_config(tiny_models("qwen2"), tmp_path, "qlora", steps=4, lr=1e-2), dist_env)
+    ours, theirs = _merged_logits(result.model, tiny_models("qwen2"), tmp_path, max_shard_bytes=200_000)
     assert len(list((tmp_path / "merged").glob("model-*-of-*.safetensors"))) > 1  # sharded as asked
+    assert (ours - theirs).abs().max() <= 1e-4 * ours.abs().max()
+
+
+def _fp32_config(model_dir, tmp_path, train_type, steps, lr) -> Config:
+    cfg = Config()
+    cfg.model.path, cfg.model.dtype, cfg.train.train_type = str(model_dir), "float32", train_type
+    cfg.data.path, cfg.data.eval_path, cfg.data.max_length = str(DEMO / "train.jsonl"), str(DEMO / "eval.jsonl"), 48
+    cfg.train.max_steps, cfg.optim.lr, cfg.output.dir = steps, lr, str(tmp_path / "run")
+    return cfg.validate()
+
+
+def _merged_logits(model, model_dir, tmp_path, **write_kwargs):
+    """Logits of the trained model and of its fp32 merged export loaded by transformers, on one probe."""
+    weights = export.model_weights(model, torch.float32, merge_adapters=True)
+    export.write_merged(tmp_path / "merged", weights, model_dir, is_main=True, dtype=torch.float32, **write_kwargs)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     ids = torch.randint(3, 400, (2, 20), generator=torch.Generator().manual_seed(1))
-    result.model.eval()
+    model.eval()
     with torch.no_grad():
-        ours = result.model(input_ids=ids, use_cache=False).logits
-        theirs = merged(input_ids=ids).logits
-    assert (ours - theirs).abs().max() <= 1e-4 * ours.abs().max()
+        return model(input_ids=ids, use_cache=False).logits, merged(input_ids=ids).logits
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
@@ -245,22 +253,11 @@ def test_full_finetune_checkpoint_and_consolidated_export(tiny_models, tmp_path,
     """Full fine-tuning saves every weight, and the merged export is the trained model itself."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    cfg = Config()
-    cfg.model.path, cfg.model.dtype, cfg.train.train_type = str(tiny_models("llama")), "float32", "full"
-    cfg.data.path, cfg.data.eval_path, cfg.data.max_length = str(DEMO / "train.jsonl"), str(DEMO / "eval.jsonl"), 48
-    cfg.train.max_steps, cfg.optim.lr, cfg.output.dir = 2, 1e-3, str(tmp_path / "run")
-    result = train(cfg.validate(), dist_env)
+    result = train(_fp32_config(tiny_models("llama"), tmp_path, "full", steps=2, lr=1e-3), dist_env)
     saved = FileSystemReader(str(complete_checkpoints(tmp_path / "run" / "checkpoints")[-1])).read_metadata()
     model_keys = {k for k in saved.state_dict_metadata if k.startswith("model.")}
     assert model_keys == {f"model.{n}" for n, _ in result.model.named_parameters()}
-    export.write_merged(tmp_path / "merged", export.model_weights(result.model, torch.float32, merge_adapters=True),
-                        tiny_models("llama"), is_main=True, dtype=torch.float32)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    ids = torch.randint(3, 400, (1, 16), generator=torch.Generator().manual_seed(2))
-    result.model.eval()
-    with torch.no_grad():
-        ours = result.model(input_ids=ids, use_cache=False).logits
-        theirs = merged(input_ids=ids).logits
+    ours, theirs = _merged_logits(result.model, tiny_models("llama"), tmp_path)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
 
