@@ -6,7 +6,6 @@ Nothing here knows about parallelism or checkpoint files; `loading` fills the sk
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -74,7 +73,7 @@ def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
             "transformers, so qshard cannot train it"
         )
     attn = cfg.model.attn_implementation
-    with _parameters_on_meta():
+    with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=DTYPES[cfg.model.dtype])
         except ValueError as exc:  # e.g. an attn_implementation this architecture lacks
@@ -85,26 +84,6 @@ def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
                                                      dtype=DTYPES[cfg.model.dtype])
     return model
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Parameters are created on the meta device (no memory, no initialization cost) while buffers stay
-    real, on the CPU: computed buffers (rotary frequencies, embedding scales) are in no checkpoint, and
-    this way the architecture's own code computes them. Parameters are allocated but never touched on
-    the CPU before they move, so they cost address space, not resident memory."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def find_blocks(model: nn.Module, block_class: str | None) -> list[nn.Module]:
@@ -227,8 +206,48 @@ def _set_submodule(root: nn.Module, dotted: str, new: nn.Module) -> None:
 
 
 def computed_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's real (non-meta) buffers, as built: `to_empty` wipes them, `restore_buffers` puts them back."""
-    return {name: buf.detach().clone() for name, buf in model.named_buffers() if buf.device.type != "meta"}
+    """Values of the non-persistent buffers (rotary frequencies, embedding scales): no checkpoint holds
+    them, and building on meta left them empty. Each owning module is recomputed on a CPU copy whose
+    buffers alone are real, first by transformers' own `_init_weights` (how it fills them after its own
+    meta-device loading), else by building the module afresh from the model config."""
+    values: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        names = [n for n in module._non_persistent_buffers_set if getattr(module, n, None) is not None]
+        if names:
+            fresh = _recompute(model, prefix, module, names)
+            values.update({f"{prefix}.{n}" if prefix else n: fresh[n] for n in names})
+    return values
+
+
+@torch.no_grad()
+def _recompute(model: nn.Module, prefix: str, module: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    copy = _buffers_only_copy(module, names)
+    if hasattr(model, "_init_weights"):
+        model._init_weights(copy)  # parameters stay on meta: their init is a no-op there
+        computed = {n: getattr(copy, n) for n in names}
+        if all(torch.isfinite(t).all() for t in computed.values() if t.is_floating_point()):
+            return computed
+    try:
+        fresh = type(module)(module.config)
+    except (AttributeError, TypeError) as exc:
+        raise QShardError(
+            f"{type(model).__name__}: module '{prefix}' ({type(module).__name__}) has computed buffers "
+            f"{names} that qshard cannot rebuild ({exc})"
+        ) from None
+    return {n: getattr(fresh, n) for n in names}
+
+
+def _buffers_only_copy(module: nn.Module, names: list[str]) -> nn.Module:
+    """A shallow copy of `module` whose named buffers are NaN-filled CPU tensors (NaN shows what no
+    initializer wrote) and whose parameters and children are the meta ones."""
+    copy = module.__new__(type(module))
+    copy.__dict__ = dict(module.__dict__)
+    copy._buffers = dict(module._buffers)
+    for name in names:
+        buf = module._buffers[name]
+        empty = torch.empty(buf.shape, dtype=buf.dtype, device="cpu")
+        copy._buffers[name] = empty.fill_(float("nan")) if buf.is_floating_point() else empty.zero_()
+    return copy
 
 
 @torch.no_grad()

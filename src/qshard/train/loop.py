@@ -74,7 +74,8 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optim, env.device)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
         self.progress = Progress(self.total_steps, env.is_main, t.log_every)
-        self.stop_requested = False  # set by the preemption signal handler
+        self.stop_requested = False  # set on this rank by the preemption signal handler
+        self.stop_agreed = False  # set by the last step: some rank was asked to stop
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
 
     # -----------------------------------------------------------------------------------------------------------
@@ -104,8 +105,13 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-        # One host sync per step, here, for logging: the all-reduce result and the norm come back together.
-        loss_total = self._all_sum_tensor(loss_sum)
+        # One all-reduce for the logged loss and the preemption vote (a signal may reach only some ranks).
+        # With the token counts above and the norm, these are the step's only waits on the device.
+        vote = torch.tensor(float(self.stop_requested), dtype=torch.float64, device=self.env.device)
+        totals = torch.stack([loss_sum.to(torch.float64), vote])
+        dist.all_reduce(totals)
+        loss_total, votes = totals.tolist()
+        self.stop_agreed = votes > 0
         elapsed = time.perf_counter() - start
         return {
             "step": step + 1,
@@ -150,7 +156,7 @@ class Trainer:
             metrics.write(record)
             self.progress.step(record)
             result.records.append(record)
-            result.preempted = self._agree(self.stop_requested)
+            result.preempted = self.stop_agreed
             if checkpoints is not None:
                 self._maybe_save(checkpoints, record["step"], result)
             if result.preempted:
@@ -167,12 +173,6 @@ class Trainer:
                     "eval_loss_start": result.first.loss if result.first else None}
             # The last save (or one forced by preemption) must be on disk before the process exits.
             checkpoints.save(done, self.model, self.optimizer, meta, blocking=final)
-
-    def _agree(self, flag: bool) -> bool:
-        """True on every rank if it is true on any (a signal may reach only some processes)."""
-        t = torch.tensor([int(flag)], device=self.env.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
 
     @torch.no_grad()
     def evaluate(self) -> EvalResult:
