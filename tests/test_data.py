@@ -85,7 +85,7 @@ def test_instruction_trains_only_the_response_and_eos(tok, tmp_path):
     assert ex.input_ids.count(tok.bos_token_id) == 1 and ex.input_ids[0] == tok.bos_token_id
     [span] = trained_spans(ex)
     # The single trained span runs to the very end and finishes with eos.
-    assert ex.labels[-len(span):] == span and span[-1] == tok.eos_token_id
+    assert ex.labels[-len(span) :] == span and span[-1] == tok.eos_token_id
     assert tok.decode(span, skip_special_tokens=True) == "s d k"
     assert tok.decode(span) == "s d k</s>"
 
@@ -221,7 +221,6 @@ def test_all_examples_dropped_is_an_error(tok, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ bad input
-
 
 
 @pytest.mark.parametrize(
@@ -403,7 +402,9 @@ def test_demo_tokenizer_save_load_round_trip(tok, tmp_path):
     assert loaded.encode(text, add_special_tokens=False) == ids
     assert loaded.decode(ids) == text
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (
-        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
     )
 
 

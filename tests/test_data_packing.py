@@ -7,7 +7,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, PackedExamples, collate, input_tokens, model_inputs
+from qshard.data import (
+    IGNORE_INDEX,
+    Example,
+    GlobalBatchSampler,
+    PackedExamples,
+    collate,
+    for_epoch,
+    input_tokens,
+    model_inputs,
+)
 from qshard.data.packing import pack_indices
 from qshard.errors import QShardError
 
@@ -95,3 +104,73 @@ def test_packed_document_has_the_logits_it_has_alone(tiny_models):
         # Without the restarting positions the later documents would see the earlier ones: the check bites.
         plain = model(input_ids=batch["input_ids"][:1], use_cache=False).logits[0]
         assert (plain[starts[1] : starts[2]] - logits[0, starts[1] : starts[2]]).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------ packing per epoch
+
+
+def random_docs(n: int, seed: int = 0) -> list[Example]:
+    """Documents of random lengths whose token ids say which document they are (the first token)."""
+    rng = np.random.default_rng(seed)
+    return [Example([i] + [7] * int(k - 1), [i] + [7] * int(k - 1)) for i, k in enumerate(rng.integers(2, 30, n))]
+
+
+def documents_of(sequence: Example) -> tuple[int, ...]:
+    """The documents packed into a sequence, by their first token."""
+    return tuple(sequence.input_ids[i] for i, p in enumerate(sequence.position_ids) if p == 0)
+
+
+def grouping(packed: PackedExamples, epoch: int) -> dict[int, frozenset[int]]:
+    """Document -> the documents packed with it in `epoch`."""
+    out = {}
+    for i in range(len(packed)):
+        docs = documents_of(packed.of_epoch(epoch)[i])
+        out.update({d: frozenset(docs) for d in docs})
+    return out
+
+
+def test_each_epoch_packs_anew_and_every_packing_is_complete():
+    packed = PackedExamples(random_docs(400), max_length=64, seed=5)
+    assert packed.of_epoch(0)[3] == packed[3]  # epoch 0 is the plain packing
+    groupings = [grouping(packed, epoch) for epoch in range(3)]
+    for epoch, g in enumerate(groupings):
+        assert sorted(g) == list(range(400)), epoch  # every document once
+        assert all(len(packed.of_epoch(epoch)[i].input_ids) <= 64 for i in range(len(packed)))
+    for a, b in [(0, 1), (1, 2), (0, 2)]:
+        moved = np.mean([groupings[a][d] != groupings[b][d] for d in range(400)])
+        assert moved > 0.5, (a, b, moved)  # most documents have other neighbours
+    # A function of (documents, max_length, seed, epoch) alone: a fresh object agrees, another seed does not.
+    assert grouping(PackedExamples(random_docs(400), 64, seed=5), 2) == groupings[2]
+    assert grouping(PackedExamples(random_docs(400), 64, seed=6), 2) != groupings[2]
+
+
+def sequences(packed: PackedExamples, sampler: GlobalBatchSampler, step: int) -> list[tuple[int, ...]]:
+    epoch_data = for_epoch(packed, sampler.epoch_of(step))  # as the trainer reads it
+    return [documents_of(epoch_data[i]) for m in sampler.microbatches(step) for i in m]
+
+
+def test_packing_per_epoch_is_the_same_after_a_resume_and_at_any_world_size():
+    docs = random_docs(300)
+    packed = PackedExamples(docs, max_length=64, seed=9)
+    sampler = GlobalBatchSampler(len(packed), 2, 2, 1, 0, seed=9)
+    steps = 3 * sampler.steps_per_epoch
+    run = [sequences(packed, sampler, s) for s in range(steps)]  # epochs 0, 1, 2 straight through
+    per_epoch = [
+        {seq for s in run[e * sampler.steps_per_epoch : (e + 1) * sampler.steps_per_epoch] for seq in s}
+        for e in range(3)
+    ]
+    for sequences_of_epoch in per_epoch:  # every document once per epoch, less the incomplete last batch
+        seen = [d for seq in sequences_of_epoch for d in seq]
+        assert len(seen) == len(set(seen)) > 250
+    assert len(per_epoch[0] & per_epoch[1]) < len(per_epoch[1]) / 2  # the trainer's path gets the new packing
+    # Resumed in the middle of epoch 1 with fresh objects (a new process): the same sequences from there on.
+    resumed = PackedExamples(docs, max_length=64, seed=9)
+    start = sampler.steps_per_epoch + 2
+    assert [sequences(resumed, GlobalBatchSampler(len(resumed), 2, 2, 1, 0, 9), s) for s in range(start, steps)] == (
+        run[start:]
+    )
+    # Two ranks with the global batch unchanged: disjoint halves of the same sequences, epochs 1 and 2 too.
+    for step in (1, sampler.steps_per_epoch + 1, steps - 1):
+        ranks = [sequences(packed, GlobalBatchSampler(len(packed), 1, 2, 2, r, 9), step) for r in range(2)]
+        assert not set(ranks[0]) & set(ranks[1])
+        assert sorted(ranks[0] + ranks[1]) == sorted(run[step])

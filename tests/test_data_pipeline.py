@@ -4,6 +4,7 @@ tokenization, memory-mapped storage, packing end to end."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -24,8 +25,14 @@ def tok():
 
 def records(n: int, tag: str = "") -> list[dict]:
     letters = "abcdefghij"
-    return [{"instruction": f"Reverse{tag}.", "input": " ".join(letters[: 1 + i % 9]),
-             "output": " ".join(reversed(letters[: 1 + i % 9])) + f" {i}"} for i in range(n)]
+    return [
+        {
+            "instruction": f"Reverse{tag}.",
+            "input": " ".join(letters[: 1 + i % 9]),
+            "output": " ".join(reversed(letters[: 1 + i % 9])) + f" {i}",
+        }
+        for i in range(n)
+    ]
 
 
 def write_jsonl(path: Path, recs: list[dict]) -> Path:
@@ -33,13 +40,13 @@ def write_jsonl(path: Path, recs: list[dict]) -> Path:
     return path
 
 
-def config(tmp_path: Path, **data) -> Config:
+def config(tmp_path: Path, validate: bool = True, **data) -> Config:
     cfg = Config()
     cfg.data.cache_dir = str(tmp_path / "cache")
     cfg.data.max_length = 64
     for key, value in data.items():
         setattr(cfg.data, key, value)
-    return cfg.validate()
+    return cfg.validate() if validate else cfg
 
 
 def as_lists(examples) -> list[tuple[list[int], list[int]]]:
@@ -92,8 +99,12 @@ def test_sources_with_weights_and_column_mapping(tok, tmp_path):
     renamed = [{"q": r["instruction"], "ctx": r["input"], "ans": r["output"]} for r in records(8, "B")]
     b = write_jsonl(tmp_path / "b.jsonl", renamed)
     cols = ColumnsConfig(instruction="q", input="ctx", output="ans")
-    cfg = config(tmp_path, path=str(a), eval_fraction=0.0,
-                 sources=[SourceConfig(path=str(b), weight=2.0, columns=cols), SourceConfig(path=str(a), weight=0.5)])
+    cfg = config(
+        tmp_path,
+        path=str(a),
+        eval_fraction=0.0,
+        sources=[SourceConfig(path=str(b), weight=2.0, columns=cols), SourceConfig(path=str(a), weight=0.5)],
+    )
     train, held = load_datasets(cfg, tok)
     assert held == [] or len(held) == 0
     texts = [tok.decode(e.input_ids) for e in train]
@@ -133,14 +144,15 @@ def test_parallel_tokenization_matches_serial(tok, tmp_path, monkeypatch):
     path = tmp_path / "a.jsonl"
     path.write_text("\n".join(lines) + "\n")
     serial, _ = load_datasets(config(tmp_path / "s", path=str(path), eval_fraction=0.0, on_bad_record="skip"), tok)
-    parallel, _ = load_datasets(config(tmp_path / "p", path=str(path), eval_fraction=0.0, on_bad_record="skip",
-                                       num_workers=2), tok)
+    parallel, _ = load_datasets(
+        config(tmp_path / "p", path=str(path), eval_fraction=0.0, on_bad_record="skip", num_workers=2), tok
+    )
     assert len(serial) == 59 and as_lists(parallel) == as_lists(serial)
 
 
 def test_non_leader_ranks_do_not_tokenize(tok, tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", records(10))
-    with pytest.raises(FileNotFoundError):  # nothing cached yet, and a non-leader never writes
+    with pytest.raises(QShardError, match="every rank of a node sees"):  # nothing cached; a non-leader never writes
         load_datasets(config(tmp_path, path=str(path)), tok, local_rank=1)
     load_datasets(config(tmp_path, path=str(path)), tok, local_rank=0)
     assert len(load_datasets(config(tmp_path, path=str(path)), tok, local_rank=1)[0]) == 9
@@ -155,23 +167,28 @@ def test_packing_config_packs_train_and_held_out(tok, tmp_path):
     assert all(len(s.input_ids) <= 64 for s in train)
 
 
-def test_training_with_packing_runs(tiny_models, tmp_path, dist_env):
+def test_training_with_packing_runs(tiny_models, tmp_path, dist_env, caplog):
+    """Into a second epoch (packed anew), with the held-out loss in the progress output."""
     from qshard.train.run import train
 
     path = write_jsonl(tmp_path / "a.jsonl", records(64))
-    cfg = config(tmp_path, path=str(path), packing=True, eval_fraction=0.1, max_length=96)
+    cfg = config(tmp_path, validate=False, path=str(path), packing=True, eval_fraction=0.1, max_length=96)
     cfg.model.path = str(tiny_models("llama"))
     cfg.model.dtype = "float32"
-    cfg.train.max_steps = 3
-    cfg.train.micro_batch_size = 2
+    cfg.train.max_steps = 4  # 15 packed sequences, 3 steps an epoch: the last step is in epoch 1
+    cfg.train.micro_batch_size = 4
     cfg.output.dir = str(tmp_path / "run")
-    result = train(cfg.validate(), dist_env)
+    with caplog.at_level(logging.INFO, logger="qshard"):
+        result = train(cfg.validate(), dist_env)
     metrics = [json.loads(line) for line in (result.out / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 3 and all(np.isfinite(m["loss"]) for m in metrics)
+    assert [m["epoch"] for m in metrics][-1] == 1 and all(np.isfinite(m["loss"]) for m in metrics)
     # every input token is real: with packing, a step's tokens are its sequences' lengths
     assert all(m["tokens"] > m["trained_tokens"] > 0 for m in metrics)
     assert np.isfinite(result.summary["eval_loss_end"])
     assert os.path.isdir(result.out / "adapter")
+    last = f"step {len(metrics)}/{len(metrics)} | loss {metrics[-1]['loss']:.4f}"
+    held_out = f"held-out loss {metrics[-1]['eval_loss']:.4f} (perplexity {metrics[-1]['eval_ppl']:.2f})"
+    assert any(last in line and held_out in line for line in caplog.text.splitlines()), caplog.text
 
 
 def _two_ranks(rank: int, world: int, init_file: str, paths: list[str], cache: str, results: str) -> None:

@@ -7,6 +7,7 @@ import csv
 import json
 import logging
 import re
+import tracemalloc
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,6 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from qshard.data import IGNORE_INDEX, load_examples
+from qshard.data.records import read_json, read_raw
+from qshard.data.tokenize import Progress
 from qshard.demo_tokenizer import build_demo_tokenizer
 from qshard.errors import QShardError
 
@@ -160,7 +163,7 @@ def test_bad_first_record_is_skipped_before_format_detection(tok, tmp_path):
     "name, content, where",
     [
         ("a.csv", "instruction,output\ni,o\ni,o,extra\n", ":3: more fields than the header"),
-        ("a.json", json.dumps([RECORDS[0], {"instruction": 5, "output": "o"}]), ":record 2: field 'instruction'"),
+        ("a.json", json.dumps([RECORDS[0], {"instruction": 5, "output": "o"}]), ":1: record 2: field 'instruction'"),
         ("a.json", '[{"instruction": "i",\n "output": }]', ":2: invalid JSON"),
         ("a.json", json.dumps({"instruction": "i"}), ": a .json data file must hold an array"),
     ],
@@ -204,6 +207,95 @@ def test_overlong_truncated_or_dropped_and_counted(tok, tmp_path, caplog):
 
 def test_nothing_left_after_filtering_is_a_clear_error(tok, tmp_path):
     path = write(tmp_path / "l.jsonl", ["{bad", RECORDS[0]])
-    with pytest.raises(QShardError, match=rf"{re.escape(str(path))}: no usable examples: of 2 records, 1 are bad, "
-                                          r"1 are longer than max_length=4"):
+    with pytest.raises(
+        QShardError,
+        match=rf"{re.escape(str(path))}: no usable examples: of 2 records, 1 are bad, "
+        r"1 are longer than max_length=4",
+    ):
         load_examples(path, tok, 4, overlong="drop", on_bad_record="skip")
+
+
+# --------------------------------------------------------------------------------------- streaming JSON arrays
+
+
+def big_json_array(path: Path, n: int, bad_at: int | None = None) -> Path:
+    """An array of `n` instruction records, one per line after the opening bracket (record i on line i + 2)."""
+    line = json.dumps(
+        {"instruction": "Reverse the letters " + "a b c d e " * 8, "input": "x y z " * 5, "output": "z y x " * 10}
+    )
+    with path.open("w") as f:
+        f.write("[\n")
+        for i in range(n):
+            f.write('{"instruction": "i", "output": }' if i == bad_at else line)
+            f.write(",\n" if i < n - 1 else "\n]\n")
+    return path
+
+
+def test_json_array_is_streamed_in_bounded_memory(tmp_path):
+    path = big_json_array(tmp_path / "big.json", 40_000)  # 9.5 MB
+    tracemalloc.start()
+    try:
+        count = sum(1 for _ in read_raw(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert count == 40_000
+    # Parsed whole, the text alone would take the file's size, and its records several times that.
+    assert peak < path.stat().st_size / 4, f"peak {peak / 1e6:.1f} MB for a {path.stat().st_size / 1e6:.1f} MB file"
+
+
+def test_malformed_record_in_the_middle_of_a_big_array_is_named_by_line(tmp_path):
+    path = big_json_array(tmp_path / "bad.json", 20_000, bad_at=12_345)
+    with pytest.raises(
+        QShardError, match=rf"^{re.escape(str(path))}:12347: invalid JSON: Expecting value \(column 32\)$"
+    ):
+        for _ in read_raw(path):
+            pass
+
+
+@pytest.mark.parametrize("layout", ["pretty", "one line", "wrapped", "byte order mark"])
+def test_json_stream_matches_a_whole_parse_wherever_the_chunks_end(tmp_path, layout):
+    records = [
+        {"instruction": f"é{i}" * (i % 13), "input": "", "output": ["x", {"y": i}], "n": -1.5e3} for i in range(40)
+    ]
+    text = {
+        "pretty": json.dumps(records, indent=2),
+        "one line": json.dumps(records),
+        "wrapped": json.dumps({"meta": {"data": 1}, "data": records, "more": [1, 2]}, indent=1),
+        "byte order mark": "\ufeff" + json.dumps(records),
+    }[layout]
+    path = tmp_path / "a.json"
+    path.write_text(text, encoding="utf-8")
+    for chunk in (1, 2, 7, 100, 1 << 18):
+        assert [r for _, r in read_json(path, chunk)] == records, chunk
+    wheres = [w for w, _ in read_json(path, 5)]
+    assert wheres[0].startswith(f"{path}:") and wheres[-1].endswith(": record 40")
+    if layout == "pretty":  # each record's line is where its opening brace is
+        assert wheres[1] == f"{path}:{text.splitlines().index('  {', 2) + 1}: record 2"
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("[1, 2,]", ":1: invalid JSON: Expecting value (column 7)"),
+        ('[{"a": 1}\n {"b": 2}]', ":2: invalid JSON: Expecting ',' delimiter (column 2)"),
+        ('[{"a": 1}] [2]', ":1: invalid JSON: Extra data after the top-level value (column 12)"),
+        ('[{"a": "no end}]', ":1: invalid JSON: Unterminated string starting at (column 8)"),
+        ('{"data": 5}', ': the "data" field must be an array of records, got a number'),
+        ("[]", ": the data file has no records"),
+    ],
+)
+def test_json_structure_errors_are_named(tmp_path, content, problem):
+    path = tmp_path / "a.json"
+    path.write_text(content)
+    with pytest.raises(QShardError, match=re.escape(f"{path}{problem}")):
+        list(read_raw(path))
+
+
+def test_tokenizing_progress_is_logged_where_there_is_no_terminal(caplog):
+    progress = Progress(Path("data/train.jsonl"), every_s=0.0)  # pytest's stderr is no terminal
+    with caplog.at_level(logging.INFO, logger="qshard"):
+        progress.update(512)
+        progress.update(512)
+    progress.close()
+    assert "tokenizing train.jsonl: 1024 records so far" in caplog.text

@@ -45,6 +45,8 @@ class GlobalBatchSampler:
     dropped). Rank ``r`` takes the ``r``-th contiguous block of micro_batch_size * grad_accum of them,
     split into ``grad_accum`` micro-batches. So the examples of a step depend only on G, not on how G is
     factored into ranks and accumulation: a run can change GPU count and keep the same data order.
+    Data whose items depend on the epoch (packing is redone each epoch) is read through
+    `for_epoch(examples, sampler.epoch_of(step))`, so a resumed run gets what it would have got.
     """
 
     def __init__(
@@ -82,6 +84,9 @@ class GlobalBatchSampler:
             self._cached = (epoch, torch.randperm(self.num_examples, generator=generator).tolist())
         return self._cached[1]
 
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
     def microbatches(self, step: int) -> list[list[int]]:
         """This rank's example indices for global optimizer step ``step`` (counted across epochs).
 
@@ -95,6 +100,11 @@ class GlobalBatchSampler:
         mine = self._permutation(epoch)[start : start + per_rank]
         mbs = self.micro_batch_size
         return [mine[i * mbs : (i + 1) * mbs] for i in range(self.grad_accum)]
+
+
+def for_epoch(examples: Sequence[Example], epoch: int) -> Sequence[Example]:
+    """The examples as epoch `epoch` sees them: packed data is packed anew each epoch, the rest is fixed."""
+    return examples.of_epoch(epoch) if hasattr(examples, "of_epoch") else examples
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:

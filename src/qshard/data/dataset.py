@@ -3,8 +3,9 @@ cache, held-out split, source weights, packing.
 
 Each source is tokenized once into an on-disk store under ``data.cache_dir``, named by a hash of its
 files (path, size, modification time), the tokenizer and the tokenizing options, so a second run on the
-same data reads it back. When running distributed, local rank 0 of each node tokenizes while the other
-ranks wait, then all of them open the store."""
+same data reads it back (see cache.py for how entries are shared, locked and evicted). When running
+distributed, local rank 0 of each node tokenizes while the other ranks wait, then all of them open the
+store."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import sys
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,22 +23,34 @@ import torch
 import torch.distributed as dist
 
 from qshard.data.batching import split_held_out
+from qshard.data.cache import TokenCache
 from qshard.data.example import Example
+from qshard.data.hf import HubDataset
 from qshard.data.packing import PackedExamples
 from qshard.data.records import data_files
-from qshard.data.store import META, ExampleView, StoreWriter, TokenStore
+from qshard.data.store import ExampleView, StoreWriter
 from qshard.data.tokenize import Options, encode_source, make_options
 from qshard.errors import QShardError
 
 logger = logging.getLogger("qshard")
-STORE_VERSION = 1  # bump when the store layout or the encoding changes
+STORE_VERSION = 2  # bump when the store layout or the encoding changes
 
 
 @dataclass(frozen=True)
 class Source:
-    path: str
+    path: str | None
     weight: float
     options: Options
+    split: str | None = None  # of a saved DatasetDict (or of `hub`)
+    hub: HubDataset | None = None  # instead of `path`
+
+    @property
+    def name(self) -> str:
+        return str(self.hub) if self.hub is not None else str(self.path)
+
+    @property
+    def location(self) -> str | HubDataset:
+        return self.hub if self.hub is not None else self.path
 
 
 def default_cache_dir() -> Path:
@@ -51,14 +61,22 @@ def default_cache_dir() -> Path:
 def sources_of(data_cfg: Any) -> list[Source]:
     """`data.path` (if set) and every entry of `data.sources`."""
     out = [Source(data_cfg.path, 1.0, _options(data_cfg, data_cfg.format))] if data_cfg.path else []
-    for s in data_cfg.sources or []:
-        out.append(Source(s.path, s.weight, _options(data_cfg, s.format, vars(s.columns))))
+    for i, s in enumerate(data_cfg.sources or []):
+        hub = HubDataset(s.hub, s.split, s.subset, s.revision, f"data.sources[{i}].hub") if s.hub else None
+        out.append(Source(s.path, s.weight, _options(data_cfg, s.format, vars(s.columns)), s.split, hub))
     return out
 
 
 def _options(data_cfg: Any, fmt: str, columns: dict[str, str | None] | None = None) -> Options:
-    return make_options(data_cfg.max_length, fmt, columns, chat_template=data_cfg.chat_template,
-                        train_on=data_cfg.train_on, overlong=data_cfg.overlong, on_bad_record=data_cfg.on_bad_record)
+    return make_options(
+        data_cfg.max_length,
+        fmt,
+        columns,
+        chat_template=data_cfg.chat_template,
+        train_on=data_cfg.train_on,
+        overlong=data_cfg.overlong,
+        on_bad_record=data_cfg.on_bad_record,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ cache
@@ -72,65 +90,107 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         h.update(backend.to_str().encode())
     else:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    extra = [getattr(tokenizer, "chat_template", None), tokenizer.bos_token, tokenizer.eos_token,
-             str(tokenizer.bos_token_id), str(tokenizer.eos_token_id)]
+    extra = [
+        getattr(tokenizer, "chat_template", None),
+        tokenizer.bos_token,
+        tokenizer.eos_token,
+        str(tokenizer.bos_token_id),
+        str(tokenizer.eos_token_id),
+    ]
     h.update(json.dumps(extra).encode())
     return h.hexdigest()
 
 
-def cache_key(source: Source, tokenizer_hash: str) -> str:
+def _file_identity(path: Path) -> list:
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def source_identity(source: Source) -> Any:
+    """What names a source's data: its files' paths, sizes and modification times (every file of a saved
+    dataset directory), or for a hub dataset the request and the files it resolved to."""
+    if source.hub is not None:
+        return source.hub.identity()
     files = []
     for f in data_files(source.path):
-        stat = f.stat()
-        files.append([str(f.resolve()), stat.st_size, stat.st_mtime_ns])
-    key = {"version": STORE_VERSION, "files": files, "tokenizer": tokenizer_hash, "options": vars(source.options)}
+        members = sorted(p for p in f.rglob("*") if p.is_file()) if f.is_dir() else [f]
+        files += [_file_identity(p) for p in members]
+    return {"files": files, "split": source.split}
+
+
+def cache_key(source: Source, tokenizer_hash: str) -> str:
+    key = {
+        "version": STORE_VERSION,
+        "data": source_identity(source),
+        "tokenizer": tokenizer_hash,
+        "options": vars(source.options),
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def build_store(source: Source, tokenizer: Any, directory: Path, num_workers: int, progress: bool) -> None:
-    """Tokenize `source` into `directory`, written under a temporary name and renamed into place, so a
-    store that exists is complete (a race with another node ends with one of the two kept)."""
-    tmp = directory.with_name(f"{directory.name}.tmp-{uuid.uuid4().hex[:8]}")
-    writer = StoreWriter(tmp)
+    """Tokenize `source` into the store `directory` (see cache.TokenCache.build for how it appears)."""
+    writer = StoreWriter(directory)
     try:
-        gen = encode_source(source.path, tokenizer, source.options, num_workers, progress)
+        gen = encode_source(source.location, tokenizer, source.options, num_workers, progress, source.split)
         while True:
             try:
                 writer.add(*next(gen))
             except StopIteration as stop:
                 stats = stop.value
                 break
-        stats.report(Path(source.path), source.options)
-        writer.close({"source": source.path, "stats": {k: v for k, v in vars(stats).items() if k != "first_bad"}})
+        stats.report(source.name, source.options)
+        writer.close({"source": source.name, "stats": {k: v for k, v in vars(stats).items() if k != "first_bad"}})
     except BaseException:
         writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
-    try:
-        os.rename(tmp, directory)
-    except OSError:  # another process got there first
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def tokenized(source: Source, tokenizer: Any, cache_dir: Path, num_workers: int = 1, leader: bool = True,
-              is_main: bool = True) -> ExampleView:
+def tokenized(
+    source: Source, tokenizer: Any, cache: TokenCache, num_workers: int = 1, leader: bool = True, is_main: bool = True
+) -> ExampleView:
     """The source's examples from the cache, tokenizing them first if needed (on the leader only); the
     main rank reports how many there are and how many were left out."""
-    directory = cache_dir / cache_key(source, tokenizer_fingerprint(tokenizer))
+    if source.hub is not None:
+        _fetch_first(source.hub, leader)
+    key = cache_key(source, tokenizer_fingerprint(tokenizer))
+    store, error = None, None
+    if leader:
+        store = cache.open(key)
+        if store is None:
+            try:
+                store = cache.build(key, lambda d: build_store(source, tokenizer, d, num_workers, is_main))
+            except QShardError as e:
+                error = e
+    _agree_on_error(error)
+    store = store or cache.open(key)
+    if store is None:
+        raise QShardError(
+            f"{cache.root / key}: the tokenized data of {source.name} is missing, although local rank 0 of this "
+            "node has just written it; data.cache_dir must be one directory that every rank of a node sees"
+        )
+    if is_main:
+        left_out = {k: v for k, v in store.meta["stats"].items() if v and k not in ("records", "examples")}
+        logger.info(
+            "%s: %d examples (%s) from %s",
+            source.name,
+            len(store),
+            ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in left_out.items()) or "none left out",
+            store.directory,
+        )
+    return ExampleView.of(store)
+
+
+def _fetch_first(hub: HubDataset, leader: bool) -> None:
+    """The leader downloads a hub dataset (if it is not in the Hugging Face cache yet) before the other
+    ranks look for it, so that each node fetches it once."""
     error = None
-    if leader and not (directory / META).is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
+    if leader:
         try:
-            build_store(source, tokenizer, directory, num_workers, progress=is_main and sys.stderr.isatty())
+            hub.load()
         except QShardError as e:
             error = e
     _agree_on_error(error)
-    store = TokenStore(directory)
-    if is_main:
-        left_out = {k: v for k, v in store.meta["stats"].items() if v and k not in ("records", "examples")}
-        logger.info("%s: %d examples (%s) from %s", source.path, len(store),
-                    ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in left_out.items()) or "none left out", directory)
-    return ExampleView.of(store)
 
 
 def _agree_on_error(error: QShardError | None) -> None:
@@ -163,15 +223,17 @@ def weighted(view: ExampleView, weight: float, seed: int) -> ExampleView:
 # ------------------------------------------------------------------------------------------------------- public
 
 
-def load_datasets(cfg: Any, tokenizer: Any, local_rank: int = 0, is_main: bool = True
-                  ) -> tuple[Sequence[Example], Sequence[Example]]:
+def load_datasets(
+    cfg: Any, tokenizer: Any, local_rank: int = 0, is_main: bool = True
+) -> tuple[Sequence[Example], Sequence[Example]]:
     """(training, held-out) examples for a run's configuration. Sources are split one by one (each keeps
     `data.eval_fraction` apart) before their weights repeat or subsample the training part."""
     d = cfg.data
     cache_dir = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
+    cache = TokenCache(cache_dir, None if d.cache_max_gb is None else int(d.cache_max_gb * 1e9))
 
     def load(source: Source) -> ExampleView:
-        return tokenized(source, tokenizer, cache_dir, d.num_workers, leader=local_rank == 0, is_main=is_main)
+        return tokenized(source, tokenizer, cache, d.num_workers, leader=local_rank == 0, is_main=is_main)
 
     sources = sources_of(d)
     train_parts, held_parts = [], []
@@ -186,6 +248,10 @@ def load_datasets(cfg: Any, tokenizer: Any, local_rank: int = 0, is_main: bool =
         held_out = load(Source(d.eval_path, 1.0, _options(d, d.format)))
     else:
         held_out = ExampleView.concat(held_parts)
+    if local_rank == 0:
+        cache.evict()  # only now: every entry this run uses is open, and so locked against eviction
     if d.packing:
-        return PackedExamples(train, d.max_length), PackedExamples(held_out, d.max_length) if len(held_out) else []
+        seed = cfg.train.seed
+        held_packed = PackedExamples(held_out, d.max_length, seed) if len(held_out) else []
+        return PackedExamples(train, d.max_length, seed), held_packed
     return train, held_out

@@ -34,8 +34,9 @@ def detect_format(record: dict[str, Any], where: str, columns: Mapping[str, str 
     raise BadRecord(f"{where}: cannot tell the data format: the record has none of the fields {expected}")
 
 
-def to_messages(record: dict[str, Any], fmt: str, where: str, columns: Mapping[str, str | None],
-                input_separator: str) -> list[dict[str, str]]:
+def to_messages(
+    record: dict[str, Any], fmt: str, where: str, columns: Mapping[str, str | None], input_separator: str
+) -> list[dict[str, str]]:
     """A conversation for the instruction, chat and sharegpt formats."""
     if fmt == "instruction":
         return _instruction(record, where, columns, input_separator)

@@ -4,8 +4,10 @@ dataset larger than RAM costs only its page cache; and index views that select, 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -14,8 +16,17 @@ from qshard.data.example import Example
 IDS, LABELS, OFFSETS, META = "input_ids.bin", "labels.bin", "offsets.npy", "meta.json"
 
 
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class StoreWriter:
-    """Appends examples to a directory; `close` writes the offsets and the metadata that marks it complete."""
+    """Appends examples to a directory; `close` writes the offsets and the metadata that marks it complete.
+    Everything is on disk (fsynced) before the metadata is written, so even a machine that loses power
+    right after cannot leave metadata that describes missing tokens."""
 
     def __init__(self, directory: Path):
         self.directory = directory
@@ -30,10 +41,15 @@ class StoreWriter:
         self._offsets.append(self._offsets[-1] + len(ids))
 
     def close(self, meta: dict) -> None:
-        self._ids.close()
-        self._labels.close()
-        np.save(self.directory / OFFSETS, np.asarray(self._offsets, dtype=np.int64))
-        (self.directory / META).write_text(json.dumps(meta, indent=1))
+        for f in (self._ids, self._labels):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        with (self.directory / OFFSETS).open("wb") as f:
+            np.save(f, np.asarray(self._offsets, dtype=np.int64))
+            f.flush()
+            os.fsync(f.fileno())
+        _write_synced(self.directory / META, json.dumps(meta, indent=1).encode())
 
     def abort(self) -> None:
         self._ids.close()
@@ -41,10 +57,12 @@ class StoreWriter:
 
 
 class TokenStore:
-    """A complete store directory, opened read-only."""
+    """A complete store directory, opened read-only. `lock` is an open file holding a shared lock on the
+    directory (see cache.py): it lives, and so the lock holds, as long as this store, so that no other job
+    evicts the directory meanwhile; the lock goes when the file is closed or the process ends."""
 
-    def __init__(self, directory: Path):
-        self.directory = directory
+    def __init__(self, directory: Path, lock: BinaryIO | None = None):
+        self.directory, self.lock = directory, lock
         self.meta = json.loads((directory / META).read_text())
         self.offsets = np.load(directory / OFFSETS)
         total = int(self.offsets[-1])

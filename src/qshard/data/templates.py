@@ -57,8 +57,13 @@ class Encoder:
     """Record -> (input_ids, labels). Only assistant turns (and the eos that ends them) are trained unless
     ``train_on == "all"``; plain text is trained everywhere."""
 
-    def __init__(self, tokenizer: Any, chat_template: str = "auto", train_on: str = "assistant",
-                 columns: Mapping[str, str | None] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str = "auto",
+        train_on: str = "assistant",
+        columns: Mapping[str, str | None] | None = None,
+    ):
         if train_on not in TRAIN_ON:
             raise QShardError(f"data.train_on: must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
         self.tokenizer = tokenizer

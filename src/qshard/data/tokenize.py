@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import sys
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ import numpy as np
 
 from qshard.data.example import IGNORE_INDEX, Example
 from qshard.data.formats import FORMATS, detect_format
+from qshard.data.hf import HubDataset
 from qshard.data.records import BadRecord, data_files, decode, read_raw
 from qshard.data.templates import Encoder
 from qshard.errors import QShardError
@@ -39,7 +42,7 @@ class Options:
     def columns_map(self) -> dict[str, str]:
         return dict(self.columns)
 
-    def check(self, source: Path) -> None:
+    def check(self, source: object) -> None:
         if self.format not in FORMATS:
             choices = ", ".join(FORMATS)
             raise QShardError(
@@ -63,22 +66,40 @@ class Stats:
     dropped_untrainable: int = 0  # nothing left to train after truncation
     first_bad: list[str] = field(default_factory=list)
 
-    def report(self, source: Path, opts: Options) -> None:
+    def report(self, source: object, opts: Options) -> None:
         """Log what was left out or cut, then fail if nothing is left."""
         if self.bad:
-            logger.warning("%s: skipped %d bad records of %d (first: %s)", source, self.bad, self.records,
-                           "; ".join(self.first_bad))
+            logger.warning(
+                "%s: skipped %d bad records of %d (first: %s)",
+                source,
+                self.bad,
+                self.records,
+                "; ".join(self.first_bad),
+            )
         if self.dropped_untrainable:
             logger.warning(
                 "%s: dropped %d of %d examples that have no trained token left after truncation to max_length=%d",
-                source, self.dropped_untrainable, self.records, opts.max_length,
+                source,
+                self.dropped_untrainable,
+                self.records,
+                opts.max_length,
             )
         if self.dropped_overlong:
-            logger.warning("%s: dropped %d of %d examples longer than max_length=%d (data.overlong: drop)",
-                           source, self.dropped_overlong, self.records, opts.max_length)
+            logger.warning(
+                "%s: dropped %d of %d examples longer than max_length=%d (data.overlong: drop)",
+                source,
+                self.dropped_overlong,
+                self.records,
+                opts.max_length,
+            )
         if self.truncated:
-            logger.info("%s: truncated %d of %d examples to max_length=%d", source, self.truncated, self.records,
-                        opts.max_length)
+            logger.info(
+                "%s: truncated %d of %d examples to max_length=%d",
+                source,
+                self.truncated,
+                self.records,
+                opts.max_length,
+            )
         if not self.examples:
             raise QShardError(
                 f"{source}: no usable examples: of {self.records} records, {self.bad} are bad, "
@@ -121,11 +142,11 @@ def _encode_one(encoder: Encoder, opts: Options, fmt: str, where: str, raw: Any)
     return ("ok", np.asarray(ids, np.int32), np.asarray(labels, np.int32), truncated)
 
 
-def _file_chunks(path: Path, opts: Options) -> Iterator[tuple[str, list[tuple[str, Any]]]]:
-    """(format, records) chunks of one file. With format auto the first usable record decides the
+def _file_chunks(records: Iterator[tuple[str, Any]], opts: Options) -> Iterator[tuple[str, list[tuple[str, Any]]]]:
+    """(format, records) chunks of one file's records. With format auto the first usable record decides the
     file's format; records before it (bad ones, with skip) are sent as auto and detected one by one."""
     fmt, chunk = opts.format, []
-    for where, raw in read_raw(path):
+    for where, raw in records:
         if fmt == "auto":
             try:
                 fmt = detect_format(decode(where, raw), where, opts.columns_map)
@@ -145,20 +166,36 @@ def _file_chunks(path: Path, opts: Options) -> Iterator[tuple[str, list[tuple[st
         yield fmt, chunk
 
 
-def encode_source(path: str | Path, tokenizer: Any, opts: Options, num_workers: int = 1,
-                  progress: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield (input_ids, labels) of every usable example of a file or directory, in file order.
-    Returns the Stats (the generator's return value); a bad record raises unless on_bad_record is skip."""
-    path = Path(path)
-    opts.check(path)
+def _records_of(source: str | Path | HubDataset, split: str | None) -> Iterator[Iterator[tuple[str, Any]]]:
+    """The records of each data file of a source (a hub dataset is one)."""
+    if isinstance(source, HubDataset):
+        yield source.records()
+        return
+    for file in data_files(source):
+        yield read_raw(file, split)
+
+
+def encode_source(
+    source: str | Path | HubDataset,
+    tokenizer: Any,
+    opts: Options,
+    num_workers: int = 1,
+    progress: bool = False,
+    split: str | None = None,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield (input_ids, labels) of every usable example of a file, directory or hub dataset, in file order
+    (`split` picks a saved DatasetDict's split). Returns the Stats (the generator's return value); a bad
+    record raises unless on_bad_record is skip. `progress` shows a bar on a terminal, log lines elsewhere."""
+    source = source if isinstance(source, HubDataset) else Path(source)
+    opts.check(source)
     encoder = Encoder(tokenizer, opts.chat_template, opts.train_on, opts.columns_map)  # option errors up front
-    chunks = (item for file in data_files(path) for item in _file_chunks(file, opts))
+    chunks = (item for records in _records_of(source, split) for item in _file_chunks(records, opts))
     if num_workers > 1:
         results = _parallel(chunks, tokenizer, opts, num_workers)
     else:
         results = ([_encode_one(encoder, opts, fmt, where, raw) for where, raw in items] for fmt, items in chunks)
     stats = Stats()
-    bar = _progress_bar(path) if progress else None
+    bar = Progress(source) if progress else None
     for outcomes in results:
         for outcome in outcomes:
             stats.records += 1
@@ -199,14 +236,38 @@ def _parallel(chunks, tokenizer, opts: Options, num_workers: int) -> Iterator[li
             yield pending.popleft().get()
 
 
-def _progress_bar(path: Path):
-    from tqdm import tqdm
+class Progress:
+    """Records tokenized so far: a tqdm bar on a terminal; elsewhere (a batch job's log) a line every
+    `every_s` seconds, so that a long tokenization does not look like a hang."""
 
-    return tqdm(desc=f"tokenizing {path.name}", unit=" examples", dynamic_ncols=True)
+    def __init__(self, source: Any, every_s: float = 30.0):
+        self.name, self.every_s, self.count = getattr(source, "name", str(source)), every_s, 0
+        self.started = self.last = time.monotonic()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=f"tokenizing {self.name}", unit=" records", dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        self.count += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            rate = self.count / (now - self.started)
+            logger.info("tokenizing %s: %d records so far (%.0f/s)", self.name, self.count, rate)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
-def load_examples(path: str | Path, tokenizer: Any, max_length: int, fmt: str = "auto",
-                  **options: Any) -> list[Example]:
+def load_examples(
+    path: str | Path, tokenizer: Any, max_length: int, fmt: str = "auto", **options: Any
+) -> list[Example]:
     """Tokenize a data file or directory into a list of Examples, in memory (small data and tests;
     training uses `dataset.load_datasets`, which stores them on disk).
 
@@ -225,7 +286,8 @@ def load_examples(path: str | Path, tokenizer: Any, max_length: int, fmt: str = 
         examples.append(Example(ids.tolist(), labels.tolist()))
 
 
-def make_options(max_length: int, fmt: str = "auto", columns: dict[str, str | None] | None = None,
-                 **rest: Any) -> Options:
+def make_options(
+    max_length: int, fmt: str = "auto", columns: dict[str, str | None] | None = None, **rest: Any
+) -> Options:
     pairs = tuple(sorted((k, v) for k, v in (columns or {}).items() if v))
     return Options(max_length=max_length, format=fmt, columns=pairs, **rest)

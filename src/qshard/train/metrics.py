@@ -54,10 +54,16 @@ class Progress:
         if not self.enabled:
             return
         fields = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | {record['peak_mem_gib']:.2f} GiB"
+        evaluated = "eval_loss" in record
+        if evaluated:  # the steps that evaluated show the held-out numbers, whatever log_every says
+            held_out = f"held-out loss {record['eval_loss']:.4f} (perplexity {record['eval_ppl']:.2f})"
+            fields += f" | {held_out}"
         if self.bar is not None:
             self.bar.set_postfix_str(fields, refresh=False)
+            if evaluated:  # a line of its own: the bar's postfix is overwritten at the next step
+                self.bar.write(f"step {record['step']}: {held_out}")
             self.bar.update(1)
-        elif record["step"] % self.log_every == 0 or record["step"] == self.total:
+        elif record["step"] % self.log_every == 0 or record["step"] == self.total or evaluated:
             log.info(
                 "step %d/%d | %s | lr %.3g | grad_norm %.3f",
                 record["step"], self.total, fields, record["lr"], record["grad_norm"],
