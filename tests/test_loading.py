@@ -279,7 +279,9 @@ def _load_worker(rank, world, port, model_dir, broken_dir, result_dir):
         cfg = Config()
         cfg.model.load_mode = "each_rank" if mode == "each_rank" else "broadcast"
         if rank > 0 and mode != "each_rank":
-            directory = f"{result_dir}/config-only"  # under broadcast only rank 0 sees the weight files
+            # Under broadcast only rank 0's node has the model directory: here the others are told a path
+            # that exists nowhere, so any read they tried (config.json included) would fail.
+            directory = f"{result_dir}/only-on-rank-0"
         try:
             results[mode] = _nf4_state(build_model(cfg, env, directory)[0])
         except QShardError as exc:
@@ -289,12 +291,9 @@ def _load_worker(rank, world, port, model_dir, broken_dir, result_dir):
 
 
 def test_broadcast_load_matches_each_rank_load(tiny_models, tmp_path):
-    """Rank 0 reads and broadcasts, rank 1 has no weight files: the same shards as when both read. A
-    checkpoint error seen by rank 0 stops every rank with its message (no rank waits forever)."""
+    """Rank 0 reads and broadcasts, rank 1 cannot see the model directory: the same shards as when both
+    read. A checkpoint error seen by rank 0 stops every rank with its message (no rank waits forever)."""
     model_dir = tiny_models("llama")
-    config_only = tmp_path / "config-only"
-    config_only.mkdir()
-    (config_only / "config.json").write_bytes((model_dir / "config.json").read_bytes())
     broken = _copy(model_dir, tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"\x10\x00")
     mp.spawn(_load_worker, args=(2, _free_port(), str(model_dir), str(broken), str(tmp_path)), nprocs=2, join=True)

@@ -1,4 +1,4 @@
-"""Command line: `qshard train ...`, `qshard make-checkpoint ...`.
+"""Command line: `qshard train ...`, `qshard make-checkpoint ...`, `qshard export ...`, `qshard expand ...`.
 
 Every configuration key can be set as `--section.key VALUE` (or `--section.key=VALUE`); the common
 ones also have short flags. Order of precedence: defaults < `--config FILE` < flags, in order given.
@@ -104,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest complete one)")
     exp.add_argument("--out", help="where to write (default: RUN/adapter or RUN/merged)")
     exp.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors shard of a merged model")
+    grow = sub.add_parser("expand", help="add identity-initialized blocks to a checkpoint (Llama-Pro)")
+    grow.add_argument("--model", required=True, help="the model directory to expand")
+    grow.add_argument("--output", required=True, help="the new model directory (must not exist, or be empty)")
+    grow.add_argument("--new-blocks", type=int, required=True, help="blocks to add; must divide the layer count")
+    grow.add_argument("--max-shard-gib", type=float, help="largest safetensors file (default: as the input's)")
     return parser
 
 
@@ -188,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             return _make_checkpoint(args, extra)
         if args.command == "export":
             return _export(args, extra)
+        if args.command == "expand":
+            return _expand(args, extra)
         cfg = parse_train_config(args, extra)
         if cfg.parallel.nproc > 1 and not _launched():
             return launch(cfg.parallel.nproc, argv)
@@ -239,4 +246,18 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
     from qshard.export_cmd import run_export
 
     run_export(args.kind, Path(args.run), args.checkpoint, Path(args.out) if args.out else None, args.max_shard_gib)
+    return 0
+
+
+def _expand(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise QShardError(f"unknown argument '{extra[0]}' for expand")
+    if args.max_shard_gib is not None and args.max_shard_gib <= 0:
+        raise QShardError(f"--max-shard-gib must be > 0, got {args.max_shard_gib}")
+    from qshard.expand import expand_checkpoint
+
+    shard = int(args.max_shard_gib * 2**30) if args.max_shard_gib else None
+    new = expand_checkpoint(args.model, args.output, args.new_blocks, shard)
+    log.info("wrote %s with %d new blocks (layers %s); train them with --train-type llama_pro",
+             args.output, len(new), new)
     return 0

@@ -13,6 +13,7 @@ from qshard import config as config_mod
 from qshard.build import build_model
 from qshard.errors import QShardError
 from qshard.parallel.distributed import init_distributed, shutdown
+from qshard.train.run import base_fingerprint, base_model_name
 
 log = logging.getLogger("qshard")
 
@@ -34,10 +35,16 @@ def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None,
     ckpt = find_checkpoint(run_dir, ckpt_arg)
     state = checkpoint.read_state(ckpt)
     cfg = config_mod.resolve(str(ckpt / "config.yaml"), [])
+    # How the run was sharded or offloaded does not matter to reading its weights back at this world size
+    # (a hybrid run's replica count need not divide it).
+    cfg.parallel.sharding, cfg.parallel.replicate_degree, cfg.parallel.cpu_offload = "full", 0, False
     out = out or run_dir / ("adapter" if kind == "adapter" else "merged")
-    checkpoint.check_compatible(ckpt, state, cfg, checkpoint.base_fingerprint(cfg.model.path))
-    if kind == "adapter" and cfg.train.train_type == "full":
-        raise QShardError(f"{ckpt}: a full fine-tuning run has no adapter; use `qshard export merged`")
+    checkpoint.check_compatible(ckpt, state, cfg, base_fingerprint(cfg))
+    if kind == "merged" and cfg.model.path is None:
+        raise QShardError(f"{ckpt}: a model.shape run has no model directory to take a merged model's config and "
+                          "tokenizer from; export the adapter instead")
+    if kind == "adapter" and cfg.train.train_type in ("full", "llama_pro"):
+        raise QShardError(f"{ckpt}: a {cfg.train.train_type} run has no adapter; use `qshard export merged`")
     env = init_distributed()
     try:
         model, report = build_model(cfg, env, cfg.model.path)
@@ -45,8 +52,7 @@ def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None,
         if kind == "adapter":
             tensors = export.gather_lora(model)
             if env.is_main:
-                base = str(Path(cfg.model.path).resolve())
-                export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base)
+                export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base_model_name(cfg))
         else:
             weights = export.model_weights(model, torch.bfloat16, merge_adapters=True)
             export.write_merged(out, weights, Path(cfg.model.path), env.is_main, int(max_shard_gib * 2**30),

@@ -132,3 +132,44 @@ class TorchBinFile:
 
     def close(self) -> None:
         self._state = None
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+class SafetensorsWriter:
+    """Write one safetensors file tensor by tensor, in a planned order.
+
+    Every tensor's name, dtype and shape is known before any is read (from the source headers), so the
+    header (with every offset) goes first and each tensor is written the moment it is ready: the
+    writer holds none of them, unlike `safetensors.torch.save_file`, which needs the whole dict."""
+
+    def __init__(self, path: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, dtype, shape in plan:
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * dtype.itemsize
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does
+        self.path = path
+        self._order = [(name, dtype, tuple(shape)) for name, dtype, shape in plan]
+        self._next = 0
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by close(), after the last tensor
+        self._file.write(len(raw).to_bytes(8, "little"))
+        self._file.write(raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self._order[self._next]
+        assert (name, tensor.dtype, tuple(tensor.shape)) == expected, ((name, tensor.dtype, tensor.shape), expected)
+        self._file.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        self._file.close()
+        assert self._next == len(self._order), f"{self.path}: {len(self._order) - self._next} tensor(s) unwritten"
