@@ -1,0 +1,101 @@
+"""DoRA (weight-decomposed low-rank adaptation, Liu et al. 2024) over a frozen base layer.
+
+The adapted weight is W' = m * V / ||V||, V = W0 + (alpha/r) B A, with the norm taken over the input
+dim of each output row and m a trainable magnitude per output row. As the paper recommends (and peft
+does), ||V|| is a constant in backward: gradients reach m, A and B only through the numerator, and the
+norm is computed under no_grad, in fp32.
+
+The base is a frozen nn.Linear (`dora`), NF4Linear or HQQLinear (`qdora`). The forward never builds
+W': y = base(x) + (m/||V|| - 1) (W0 x) + (m/||V||) (alpha/r) B A x, which reuses the base layer's own
+matmul (and its memory-saving backward) and equals W' x + bias. With adapter dropout active, the
+(m/||V|| - 1) W0 term is taken on the dropped-out input as well, as the reference implementation and
+peft do; that costs one more base matmul in training.
+
+A DoRALinear is a LoRALinear plus the magnitude, so loading, export and checkpointing treat its A and B
+as they treat LoRA's. The magnitude starts at ||W0|| per row (B starts at zero, so V = W0): training
+starts from the base model's function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from qshard.adapters.lora import LoRALinear
+from qshard.quant.hqq import HQQLinear, dequantize_hqq
+from qshard.quant.nf4 import NF4Linear, dequantize_nf4
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_base_rows(base: nn.Module) -> torch.Tensor:
+    """This rank's rows of the frozen base weight, dense, in fp32. FSDP2 (and the DTensor buffers of
+    `parallel.quant_sharding: dtensor`) shard every one of them along dim 0, the output rows, into the
+    same row ranges as the magnitude, so no gather is needed to compute the rows' norms."""
+    if isinstance(base, NF4Linear):
+        return dequantize_nf4(_local(base.packed), _local(base.absmax), torch.float32)
+    if isinstance(base, HQQLinear):
+        return dequantize_hqq(_local(base.packed), _local(base.scale_zero), base.bits, torch.float32)
+    return _local(base.weight).float()
+
+
+def dense_base(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The whole base weight inside a forward (FSDP2 has gathered the block's parameters by then)."""
+    if isinstance(base, nn.Linear):
+        return base.weight.to(dtype)
+    return base.dequantized_weight(dtype)
+
+
+def dora_merge(weight: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """W' = m * V / ||V|| (row norms) for V = W0 + (alpha/r) B A: the weight a merged export holds."""
+    return weight * (magnitude / torch.linalg.vector_norm(weight, dim=1)).unsqueeze(1)
+
+
+class DoRALinear(LoRALinear):
+    def __init__(
+        self,
+        base: nn.Module,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(base, in_features, out_features, rank, alpha, dropout, dtype)
+        self.magnitude = nn.Parameter(torch.empty(out_features, dtype=dtype, device=self.lora_A.device))
+
+    @torch.no_grad()
+    def init_adapter(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """LoRA's initial (A, B), returned for the caller to shard, with the same draws as LoRA; and the
+        magnitude, set here in place from this rank's rows of the base, which must be loaded by now."""
+        a, b = super().init_adapter(generator)
+        magnitude = _local(self.magnitude)
+        if magnitude.numel():
+            rows = local_base_rows(self.base)
+            assert rows.shape[0] == magnitude.shape[0], "base and magnitude sharded alike"
+            magnitude.copy_(torch.linalg.vector_norm(rows, dim=1))
+        return a, b
+
+    @torch.no_grad()
+    def weight_norm(self) -> torch.Tensor:
+        """||W0 + (alpha/r) B A|| per output row, in fp32, outside autograd (the paper's constant norm)."""
+        delta = self.lora_B.float() @ self.lora_A.float()
+        return torch.linalg.vector_norm(dense_base(self.base, torch.float32) + self.scaling * delta, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        scale = (self.magnitude.float() / self.weight_norm()).to(x.dtype)
+        if self.training and isinstance(self.dropout, nn.Dropout):
+            x = self.dropout(x)
+            base_part = self.base(x)
+        else:
+            base_part = y
+        if self.base.bias is not None:
+            base_part = base_part - self.base.bias.to(y.dtype)
+        update = F.linear(F.linear(x, self.lora_A.to(x.dtype)) * self.scaling, self.lora_B.to(x.dtype))
+        return y + (scale - 1) * base_part + scale * update

@@ -1,0 +1,89 @@
+"""The DoRA and HQQ train types on a tiny Llama: each trains (its held-out loss falls) at world size 1, in
+this process, and at world size 2 through the real CLI (two gloo processes), where its losses equal world
+size 1's step by step (same global batch: 2 ranks x 1 micro-batch against 1 rank x 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from importlib import resources
+
+import pytest
+import torch
+from conftest import cli, cli_env
+
+from qshard import config as config_mod
+from qshard.quant import HQQLinear
+from qshard.train.run import train
+
+DEMO = resources.files("qshard") / "demo_data"
+
+
+@pytest.fixture(scope="module")
+def options(tmp_path_factory, tiny_models):
+    """Settings every run here shares; a held-out set of 24 examples keeps the two evaluations short."""
+    eval_file = tmp_path_factory.mktemp("data") / "eval.jsonl"
+    eval_file.write_text("\n".join((DEMO / "eval.jsonl").read_text().splitlines()[:24]) + "\n")
+    return [
+        ("model.path", str(tiny_models("llama"))),
+        ("data.path", str(DEMO / "train.jsonl")),
+        ("data.eval_path", str(eval_file)),
+        ("data.max_length", "32"),
+        ("model.dtype", "float32"),
+        ("train.micro_batch_size", "2"),
+        ("train.max_steps", "3"),
+        ("optim.lr", "1e-2"),
+        ("optim.warmup_steps", "0"),
+    ]
+
+
+def _in_process(options, extra, out, env):
+    cfg = config_mod.resolve(None, options + extra + [("train.grad_accum", "2"), ("output.dir", str(out))])
+    return train(cfg, env)
+
+
+def _losses(out):
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [("train.train_type", "dora")],
+        [("train.train_type", "qdora")],
+        [
+            ("train.train_type", "qdora"),
+            ("quant.method", "hqq"),
+            ("quant.bits", "2"),
+            ("parallel.quant_sharding", "dtensor"),
+        ],
+    ],
+    ids=["dora", "qdora-nf4", "qdora-hqq2-dtensor"],
+)
+def test_world_size_2_trains_and_matches_world_size_1(extra, options, tmp_path, dist_env):
+    one = _in_process(options, extra, tmp_path / "ws1", dist_env)
+    args = [arg for key, value in options + extra for arg in (f"--{key}", value)]
+    two = tmp_path / "ws2"
+    proc = subprocess.run(
+        cli("train", *args, "--nproc", "2", "--train.grad_accum", "1", "--output-dir", str(two)),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((two / "summary.json").read_text())
+    assert (one.summary["world_size"], summary["world_size"]) == (1, 2)
+    for s in (one.summary, summary):
+        assert s["eval_loss_end"] < s["eval_loss_start"], s
+    torch.testing.assert_close(torch.tensor(_losses(two)), torch.tensor(_losses(one.out)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("train_type", ["qlora", "qdora"])
+def test_trains_over_hqq_at_each_bit_width(train_type, bits, options, tmp_path, dist_env):
+    extra = [("train.train_type", train_type), ("quant.method", "hqq"), ("quant.bits", str(bits))]
+    result = _in_process(options, extra, tmp_path / "run", dist_env)
+    bases = [m.base for m in result.model.modules() if hasattr(m, "lora_A")]
+    assert len(bases) == 14 and all(isinstance(b, HQQLinear) and b.bits == bits for b in bases)
+    assert result.summary["eval_loss_end"] < result.summary["eval_loss_start"], result.summary
