@@ -223,13 +223,26 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
 
 
 def _save_failed(tmp: Path, exc: BaseException) -> QShardError:
-    return QShardError(f"saving checkpoint {tmp} failed ({_reason(exc)}); earlier checkpoints are untouched")
+    return QShardError(
+        f"saving checkpoint {tmp} failed ({_reason(exc)}){_low_space(tmp)}; earlier checkpoints are untouched"
+    )
+
+
+def _low_space(path: Path) -> str:
+    """A full disk does not always say so: torch's writer reports a short write as a position mismatch."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return ""
+    free = shutil.disk_usage(existing).free
+    return f" -- the disk holding it has only {free / 2**20:,.0f} MiB free" if free < 2**30 else ""
 
 
 def _reason(exc: BaseException) -> str:
     """One line: DCP's CheckpointException carries each failed rank's exception and traceback as text."""
     if isinstance(exc, CheckpointException) and exc.failures:
         inner = next(iter(exc.failures.values()))
+        # Per torch version: an object with .exception, or an (exception, traceback frames) pair.
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
         exc = getattr(inner, "exception", inner)
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"

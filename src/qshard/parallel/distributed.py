@@ -35,17 +35,18 @@ def _adopt_slurm_env() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
-def init_distributed() -> DistEnv:
+def init_distributed(cpu_collectives: bool = False) -> DistEnv:
     """Join (or create) the process group and build the 1-D data-parallel mesh.
 
     A lone process gets a world of one through an in-memory store, so that training always runs
-    through FSDP2, whatever the world size."""
+    through FSDP2, whatever the world size. `cpu_collectives` adds gloo beside NCCL for tensors that
+    live on the CPU: under CPU offload the gradient-norm reduction runs on CPU gradient shards."""
     _adopt_slurm_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"

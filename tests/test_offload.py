@@ -1,0 +1,117 @@
+"""`parallel.cpu_offload` on the DTensor path: the quantized storage (NF4 and HQQ) lives in host memory, is
+loaded there, is never registered where `to_empty` or a state dict would see it, and training computes
+exactly what it computes with the storage on the device. World size 1 in this process, world size 2 in two
+spawned gloo processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.multiprocessing as mp
+
+from qshard.config import resolve
+
+STEPS = 2
+
+
+def _build(model_dir: str, env, method: str, offload: bool):
+    from qshard.build import build_model
+
+    cfg = resolve(None, [("train.train_type", "qlora"), ("quant.method", method), ("train.precision", "fp32"),
+                         ("parallel.quant_sharding", "dtensor"), ("parallel.cpu_offload", str(offload).lower())])
+    model, _ = build_model(cfg, env, model_dir)
+    return model
+
+
+def _quantized(model):
+    from qshard.quant import QUANTIZED_LINEARS
+
+    return [m for m in model.modules() if isinstance(m, QUANTIZED_LINEARS)]
+
+
+def _train(model, steps: int) -> list[float]:
+    """A few AdamW steps on the adapters on fixed batches (the same on every rank: the losses are compared
+    as they are, and FSDP2 averages the identical gradients)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _check_offloaded(model) -> None:
+    layers = _quantized(model)
+    assert layers
+    for layer in layers:
+        assert layer.offloaded is not None
+        for name in layer.STORAGE:
+            host = getattr(layer, name)
+            assert type(host) is torch.Tensor and host.device.type == "cpu"  # this rank's shard, not a DTensor
+            assert host.is_pinned() == torch.cuda.is_available()
+            assert host.data_ptr() == layer.offloaded.host[layer.STORAGE.index(name)].data_ptr()
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_buffers()}
+    assert not names & {"packed", "absmax", "scale_zero"}  # out of to_empty's and the state dict's reach
+
+
+def _compare(model_dir: str, env, method: str) -> dict:
+    """Both runs, checked; returns what the parent compares across ranks."""
+    plain = _build(model_dir, env, method, offload=False)
+    expected = _train(plain, STEPS)
+    reference = [layer.dequantized_weight(torch.float32) for layer in _quantized(plain)]
+    del plain
+
+    model = _build(model_dir, env, method, offload=True)
+    _check_offloaded(model)
+    # Loaded into the host shards: the gathered weights are the non-offloaded model's, bit for bit.
+    for layer, weight in zip(_quantized(model), reference):
+        assert torch.equal(layer.dequantized_weight(torch.float32), weight)
+    found = _train(model, STEPS)
+    _check_offloaded(model)
+    torch.testing.assert_close(torch.tensor(found), torch.tensor(expected), rtol=1e-6, atol=1e-6)
+    window = _quantized(model)[0].offloaded.window
+    assert len(window.blocks) == model.config.num_hidden_layers
+    assert window.most_staged <= 2  # the block running and the one prefetched, never more
+    first = _quantized(model)[0]
+    return {"losses": found, "shard_rows": first.packed.shape[0], "rows": first.out_features}
+
+
+def test_offloaded_storage_world_size_1(tiny_models, dist_env):
+    for method in ("nf4", "hqq"):
+        result = _compare(str(tiny_models("llama")), dist_env, method)
+        assert result["shard_rows"] == result["rows"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from qshard.parallel.distributed import init_distributed, shutdown
+
+    env = init_distributed()
+    results = {method: _compare(model_dir, env, method) for method in ("nf4", "hqq")}
+    torch.save(results, f"{result_dir}/rank{rank}.pt")
+    shutdown()
+
+
+def test_offloaded_storage_world_size_2(tmp_path, tiny_models):
+    model_dir = tiny_models("llama")
+    mp.spawn(_worker, args=(2, _free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for method in ("nf4", "hqq"):
+        assert results[0][method]["losses"] == results[1][method]["losses"]
+        # Each rank's host shard holds half the rows.
+        assert results[0][method]["shard_rows"] == results[1][method]["shard_rows"] == results[0][method]["rows"] // 2
