@@ -78,6 +78,8 @@ def other_value(dotted: str, tp) -> tuple[str, object]:
 
 
 ALL_KEYS = leaves()
+# Options whose other values are valid only with another option set too: those companion settings.
+COMPANIONS = {"quant.bits": {"quant.method": "hqq"}, "parallel.replicate_degree": {"parallel.sharding": "hybrid"}}
 
 
 # ----------------------------------------------------------------------------------------------- defaults
@@ -95,12 +97,15 @@ def test_defaults_validate():
 @pytest.mark.parametrize("dotted,tp", ALL_KEYS, ids=[k for k, _ in ALL_KEYS])
 def test_every_key_settable_from_command_line_and_yaml(tmp_path, dotted, tp):
     text, expected = other_value(dotted, tp)
-    assert get(parse(*PATHS, f"--{dotted}", text), dotted) == expected
-    assert get(parse(*PATHS, f"--{dotted}={text}"), dotted) == expected
-    assert get(parse(*PATHS, f"--{dotted.replace('_', '-')}", text), dotted) == expected
+    companions = COMPANIONS.get(dotted, {})
+    paths = [*PATHS, *(arg for key, value in companions.items() for arg in (f"--{key}", value))]
+    assert get(parse(*paths, f"--{dotted}", text), dotted) == expected
+    assert get(parse(*paths, f"--{dotted}={text}"), dotted) == expected
+    assert get(parse(*paths, f"--{dotted.replace('_', '-')}", text), dotted) == expected
     sections: dict[str, dict[str, str]] = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}}
-    section, key = dotted.split(".")
-    sections.setdefault(section, {})[key] = text
+    for option, value in {**companions, dotted: text}.items():
+        section, key = option.split(".")
+        sections.setdefault(section, {})[key] = value
     yaml_text = "".join(f"{name}:\n" + "".join(f"  {k}: {v}\n" for k, v in keys.items())
                         for name, keys in sections.items())
     assert get(parse("--config", str(write(tmp_path, yaml_text))), dotted) == expected

@@ -13,9 +13,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from qshard import loading, models
 from qshard.config import Config
 from qshard.errors import QShardError
-from qshard.models import DTYPES, SwapReport
+from qshard.models import SwapReport
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import parallelize
+from qshard.parallel.mesh import build_mesh
+from qshard.precision import precision
 from qshard.random_model import named_config
 
 log = logging.getLogger("qshard")
@@ -47,14 +49,21 @@ def random_init(cfg: Config) -> bool:
 def weight_source(cfg: Config, env: DistEnv, model_dir: str | Path | None, model: nn.Module):
     """Where the frozen weights come from: this process's files, rank 0's files, or random values."""
     if random_init(cfg):
-        return loading.RandomSource(model, cfg.train.seed, env.device, DTYPES[cfg.model.dtype])
+        return loading.RandomSource(model, cfg.train.seed, env.device, precision(cfg).compute)
     if cfg.model.load_mode == "broadcast" and env.world_size > 1:
         return loading.BroadcastSource(model_dir, env.is_main, env.device)
     return loading.Checkpoint(model_dir)
 
 
+def files_from_rank0(cfg: Config, env: DistEnv) -> bool:
+    """Broadcast loading: only rank 0 reads the model directory; it sends the others config.json too."""
+    return cfg.model.load_mode == "broadcast" and env.world_size > 1 and cfg.model.shape is None
+
+
 def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tuple[nn.Module, SwapReport]:
     """Every check that can fail on user input runs before the first weight is read."""
+    if files_from_rank0(cfg, env):
+        model_dir = loading.model_files_from_rank0(model_dir, env.is_main)
     hf_config = model_config(cfg, model_dir)
     model = models.build_skeleton(hf_config, cfg)
     blocks = models.find_blocks(model, cfg.model.block_class)
@@ -64,11 +73,12 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tupl
         loading.check_checkpoint(source, model)
     if report.kept:
         log.warning("%d block linear(s) kept in %s: in_features not a multiple of quant.blocksize (%s, ...)",
-                    len(report.kept), cfg.model.dtype, report.kept[0])
-    how = parallelize(model, blocks, env.mesh, cfg)
+                    len(report.kept), precision(cfg).compute, report.kept[0])
+    mesh = build_mesh(cfg, env)
+    how = parallelize(model, blocks, mesh, cfg)
     if report.quantized and env.is_main:
-        log.info("NF4 storage sharded by %s", "FSDP2" if how == "fsdp" else "DTensor buffers (this torch's FSDP2 "
-                 "refuses integer parameters)")
+        log.info("%s storage sharded by %s", cfg.quant.method.upper(), "FSDP2" if how == "fsdp"
+                 else "DTensor buffers (this torch's FSDP2 refuses integer parameters)")
     buffers = models.computed_buffers(model)
     model.to_empty(device=env.device)
     models.restore_buffers(model, buffers)
@@ -82,10 +92,12 @@ def describe(model: nn.Module, report: SwapReport, cfg: Config) -> str:
     total_params = sum(p.numel() for p in model.parameters())
     # FSDP2 subclasses the model's class as FSDP<Name>; report the model's own class.
     name = next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
-    parts = [name, f"train_type={cfg.train.train_type}", f"{trainable:,} trainable params"]
+    parts = [name, f"train_type={cfg.train.train_type}", f"precision={precision(cfg).name}",
+             f"{trainable:,} trainable params"]
     if report.quantized:
-        parts.append(f"{len(report.quantized)} NF4 linears")
+        parts.append(f"{len(report.quantized)} {cfg.quant.method.upper()} linears")
     if report.adapted:
-        parts.append(f"LoRA r={cfg.lora.rank} on {len(report.adapted)} linears")
+        kind = "DoRA" if cfg.train.train_type in ("dora", "qdora") else "LoRA"
+        parts.append(f"{kind} r={cfg.lora.rank} on {len(report.adapted)} linears")
     parts.append(f"{total_params:,} stored elements")
     return ", ".join(parts)

@@ -16,9 +16,14 @@ import yaml
 
 from qshard.errors import QShardError
 
-TrainType = Literal["qlora", "lora", "full"]
+TrainType = Literal["qlora", "lora", "full", "llama_pro", "dora", "qdora"]
+# Train types whose frozen block linears are quantized (quant.method), and those whose adapters are DoRA.
+QUANTIZED_TRAIN_TYPES = ("qlora", "qdora")
+DORA_TRAIN_TYPES = ("dora", "qdora")
 Schedule = Literal["constant", "linear", "cosine"]
 DataFormat = Literal["auto", "instruction", "chat", "sharegpt", "text"]
+Precision = Literal["fp32", "bf16", "bf16_mixed", "fp16_mixed"]
+Sharding = Literal["full", "grad_op", "none", "hybrid"]
 
 
 @dataclass
@@ -27,8 +32,9 @@ class ModelConfig:
     path: str | None = None
     # Class name of the transformer block; default: the model's `_no_split_modules`.
     block_class: str | None = None
-    # dtype of frozen, unquantized weights (embeddings, norms, lm_head, bf16 LoRA bases) and of compute.
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # Older spelling of train.precision: float32 means fp32, bfloat16 means bf16_mixed. Empty: follows
+    # train.precision (given both, they must agree).
+    dtype: Literal["bfloat16", "float32"] | None = None
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     # Where the frozen weights come from: the checkpoint in `path`, or random values (benchmarks, shapes
     # with no checkpoint), generated and quantized tensor by tensor.
@@ -51,7 +57,11 @@ class LoRAConfig:
 
 @dataclass
 class QuantConfig:
-    # NF4 block size: how many weights share one absmax scale.
+    # How qlora / qdora store the frozen block linears: NF4 (bitsandbytes' 4-bit NormalFloat) or HQQ.
+    method: Literal["nf4", "hqq"] = "nf4"
+    # Bits per weight code: NF4 is 4-bit only; HQQ takes 4, 3 or 2.
+    bits: Literal[4, 3, 2] = 4
+    # How many consecutive weights of a row share one scale (NF4's absmax; HQQ's scale and zero).
     blocksize: Literal[64, 128, 256] = 64
 
 
@@ -68,8 +78,15 @@ class ColumnsConfig:
 
 @dataclass
 class SourceConfig:
-    # Data file or directory of them (.jsonl, .json, .parquet, .csv).
+    # Data file or directory of them (.jsonl, .json, .parquet, .csv, .arrow, a `save_to_disk` directory).
     path: str | None = None
+    # Or a Hugging Face Hub dataset name (needs the `datasets` package and, unless cached, the network).
+    hub: str | None = None
+    # Split of a hub dataset or of a saved DatasetDict directory; empty means train.
+    split: str | None = None
+    # The hub dataset's configuration (subset) name, and its revision (branch, tag or commit).
+    subset: str | None = None
+    revision: str | None = None
     # Each example is used `weight` times per epoch (2: twice; 0.5: a seeded half).
     weight: float = 1.0
     format: DataFormat = "auto"
@@ -80,7 +97,7 @@ class SourceConfig:
 class DataConfig:
     # Data file or directory of training examples; empty (and no `sources`) means the embedded demo dataset.
     path: str | None = None
-    # More training sources, mixed with weights: [{path, weight, format, columns}].
+    # More training sources, mixed with weights: [{path or hub, weight, format, columns, split, ...}].
     sources: list[SourceConfig] | None = None
     # Held-out data file or directory; if empty, `eval_fraction` of each source is held out.
     eval_path: str | None = None
@@ -99,6 +116,8 @@ class DataConfig:
     packing: bool = False
     # Where tokenized data is cached; empty means $XDG_CACHE_HOME/qshard/data (~/.cache/qshard/data).
     cache_dir: str | None = None
+    # Size cap of the cache in GB: the least recently used entries not in use by a running job go first.
+    cache_max_gb: float | None = 20.0
     # Processes that tokenize in parallel (1: in the main process).
     num_workers: int = 1
 
@@ -121,6 +140,10 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     train_type: TrainType = "qlora"
+    # fp32 | bf16 (params and optimizer state in bf16) | bf16_mixed (fp32 master weights and optimizer
+    # state, bf16 compute) | fp16_mixed (the same with fp16 compute and loss scaling). Empty: from
+    # model.dtype, else bf16_mixed. See qshard/precision.py.
+    precision: Precision | None = None
     seed: int = 42
     # Optimizer steps to run; empty means `epochs` passes over the data.
     max_steps: int | None = None
@@ -132,19 +155,40 @@ class TrainConfig:
     eval_every: int = 0
     # Plain log line every N steps when output is not a terminal.
     log_every: int = 1
+    # Cross-entropy over this many tokens at a time, so the [tokens, vocab] logits never exist whole
+    # (for architectures with a plain output head); 0 computes the full logits.
+    loss_chunk_tokens: int = 1024
 
 
 @dataclass
 class ParallelConfig:
     # Processes to start on this machine through torchrun's launcher (1: run in this process).
     nproc: int = 1
+    # Recompute blocks' activations in backward instead of keeping them: every `ac_every`-th block
+    # (blocks 0, k, 2k, ...), through torch.utils.checkpoint, reentrant or not.
     activation_checkpointing: bool = True
-    # Free each block's gathered weights after its forward (ZeRO-3); false keeps them until backward.
-    reshard_after_forward: bool = True
+    ac_every: int = 1
+    ac_reentrant: bool = False
+    # full: params, grads and optimizer state sharded (ZeRO-3); grad_op: the same, but each block keeps its
+    # gathered weights from forward to backward (ZeRO-2); none: every rank holds everything (DDP-like);
+    # hybrid: replicated across `replicate_degree` groups (nodes), sharded within each.
+    sharding: Sharding = "full"
+    # hybrid only: how many replicas; 0 means one per node (WORLD_SIZE / LOCAL_WORLD_SIZE).
+    replicate_degree: int = 0
+    # Older spelling of sharding: false means grad_op. Empty: follows parallel.sharding.
+    reshard_after_forward: bool | None = None
+    # Keep params, grads and optimizer state on the CPU and step the optimizer there (FSDP2 CPUOffloadPolicy).
+    cpu_offload: bool = False
+    # Move the activations saved for backward to (pinned) CPU memory during forward, back in backward.
+    activation_offload: bool = False
     # Who shards the NF4 codes and scales: FSDP2 itself (grouped, prefetched all-gathers), or DTensor
     # buffers gathered per layer on use (for torch versions whose FSDP2 refuses integer parameters,
     # 2.11 among them). auto: FSDP2 where this torch accepts it.
     quant_sharding: Literal["auto", "fsdp", "dtensor"] = "auto"
+    # Compile each transformer block's forward with torch.compile (fewer, fused kernels; the first steps
+    # pay the compilation). The backend is for tests and debugging (aot_eager runs without a C compiler).
+    compile: bool = False
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
 
 
 @dataclass
@@ -192,10 +236,10 @@ class Config:
         _positive("data.max_length", self.data.max_length)
         _in_range("data.eval_fraction", self.data.eval_fraction, 0.0, 1.0, high_open=True)
         _positive("data.num_workers", self.data.num_workers)
+        if self.data.cache_max_gb is not None:
+            _positive("data.cache_max_gb", self.data.cache_max_gb)
         for i, source in enumerate(self.data.sources or []):
-            if not source.path:
-                raise QShardError(f"data.sources[{i}].path: every source needs a path")
-            _positive(f"data.sources[{i}].weight", source.weight)
+            _validate_source(f"data.sources[{i}]", source)
         _positive("optim.lr", self.optim.lr)
         _non_negative("optim.weight_decay", self.optim.weight_decay)
         _in_range("optim.beta1", self.optim.beta1, 0.0, 1.0, high_open=True)
@@ -211,10 +255,80 @@ class Config:
         _positive("train.grad_accum", self.train.grad_accum)
         _non_negative("train.eval_every", self.train.eval_every)
         _positive("train.log_every", self.train.log_every)
+        _non_negative("train.loss_chunk_tokens", self.train.loss_chunk_tokens)
         _positive("parallel.nproc", self.parallel.nproc)
+        self._validate_quant()
+        self._validate_precision()
+        self._validate_parallel()
         _non_negative("checkpoint.every_steps", self.checkpoint.every_steps)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         return self
+
+    def _validate_precision(self) -> None:
+        """model.dtype (the older option) must name train.precision's compute dtype (`precision_name` reads
+        whichever is set; validation leaves the tree as given)."""
+        mode, dtype = self.train.precision, self.model.dtype
+        if mode is not None and dtype is not None and COMPUTE_DTYPE[mode] != dtype:
+            raise QShardError(
+                f"model.dtype: {dtype} contradicts train.precision {mode} (which computes in "
+                f"{COMPUTE_DTYPE[mode]}); leave model.dtype empty, train.precision decides it"
+            )
+
+    def _validate_quant(self) -> None:
+        q, train_type = self.quant, self.train.train_type
+        if q.method == "nf4" and q.bits != 4:
+            raise QShardError(f"quant.bits: nf4 is a 4-bit format, got {q.bits}; for 3 or 2 bits use quant.method hqq")
+        if q.method != "nf4" and train_type not in QUANTIZED_TRAIN_TYPES:
+            raise QShardError(
+                f"quant.method: {q.method} quantizes the frozen base, which train.train_type {train_type} keeps "
+                "unquantized; use train.train_type qlora (LoRA) or qdora (DoRA) over an HQQ base"
+            )
+
+    def _validate_parallel(self) -> None:
+        p = self.parallel
+        _positive("parallel.ac_every", p.ac_every)
+        _non_negative("parallel.replicate_degree", p.replicate_degree)
+        if p.replicate_degree and p.sharding != "hybrid":
+            raise QShardError(
+                f"parallel.replicate_degree: only hybrid sharding has replicas (parallel.sharding is {p.sharding})"
+            )
+        if p.sharding == "grad_op" and p.reshard_after_forward:
+            raise QShardError(
+                "parallel.reshard_after_forward: true contradicts parallel.sharding grad_op (which keeps "
+                "gathered weights until backward); leave reshard_after_forward empty"
+            )
+        if p.sharding == "hybrid" and p.nproc > 1 and p.replicate_degree and p.nproc % p.replicate_degree:
+            raise QShardError(
+                f"parallel.replicate_degree: {p.replicate_degree} does not divide the {p.nproc} processes "
+                "(parallel.nproc) into equal shard groups"
+            )
+
+
+# train.precision -> the dtype of compute and of frozen unquantized weights (model.dtype's meaning).
+COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "bf16_mixed": "bfloat16", "fp16_mixed": "float16"}
+
+
+def precision_name(cfg: Config) -> str:
+    """train.precision, or for configs that set only the older model.dtype: float32 -> fp32, else bf16_mixed."""
+    if cfg.train.precision is not None:
+        return cfg.train.precision
+    return "fp32" if cfg.model.dtype == "float32" else "bf16_mixed"
+
+
+def reshard_after_forward(cfg: Config) -> bool:
+    """Whether blocks free their gathered weights after forward: not under grad_op (ZeRO-2), nor where the
+    older parallel.reshard_after_forward: false asks for the same."""
+    return cfg.parallel.sharding != "grad_op" and cfg.parallel.reshard_after_forward is not False
+
+
+def _validate_source(name: str, source: SourceConfig) -> None:
+    if bool(source.path) == bool(source.hub):
+        given = "both" if source.path else "neither"
+        raise QShardError(f"{name}: give a source either a path or a hub dataset name, not {given}")
+    for key in ("subset", "revision"):
+        if getattr(source, key) and not source.hub:
+            raise QShardError(f"{name}.{key}: only hub datasets have a {key}; this source is the path {source.path}")
+    _positive(f"{name}.weight", source.weight)
 
 
 def _positive(name: str, value: float) -> None:

@@ -13,13 +13,16 @@ import torch.nn as nn
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from qshard.adapters import LoRALinear
+from qshard.adapters import DoRALinear, LoRALinear
+from qshard.adapters.dora import dora_merge
 from qshard.config import LoRAConfig
 from qshard.loading import join_name, module_sources
-from qshard.quant import NF4Experts, NF4Linear, dequantize_nf4
+from qshard.quant import HQQLinear, NF4Experts, NF4Linear
 
 # PEFT stores a causal LM's adapter under the PeftModel -> LoraModel -> original model path.
 PEFT_PREFIX = "base_model.model."
+# PEFT's name for a DoRA layer's magnitude vector in a saved adapter (no `.weight` suffix, unlike A and B).
+DORA_MAGNITUDE = "lora_magnitude_vector"
 
 
 def gather_lora(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -33,6 +36,8 @@ def gather_lora(model: nn.Module) -> dict[str, torch.Tensor]:
                 param = getattr(module, part)
                 full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
                 tensors[f"{PEFT_PREFIX}{name}.{part}.weight"] = full.cpu().contiguous()
+            if isinstance(module, DoRALinear):
+                tensors[f"{PEFT_PREFIX}{name}.{DORA_MAGNITUDE}"] = _full(module.magnitude).cpu().contiguous()
     return tensors
 
 
@@ -74,7 +79,7 @@ def write_peft_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": any(k.endswith(DORA_MAGNITUDE) for k in tensors),  # DoRA adapters carry magnitudes
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
@@ -95,15 +100,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(layer, NF4Linear):
-        return dequantize_nf4(_full(layer.packed), _full(layer.absmax), dtype)
+    if isinstance(layer, (NF4Linear, HQQLinear)):
+        # Gathers sharded storage itself, wherever it is kept (DTensor buffers, FSDP2, host memory).
+        return layer.dequantized_weight(dtype)
     return _full(layer.weight).to(dtype)
 
 
 def model_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge_adapters: bool = False):
     """Yield (checkpoint name, full tensor on CPU), one at a time, under the base checkpoint's names:
-    NF4 layers dequantized; with `merge_adapters`, each adapted weight becomes W + (alpha/r) B A, summed
-    in fp32 before the cast. Without it, the base the adapters were fitted to.
+    NF4 and HQQ layers dequantized; with `merge_adapters`, each adapted weight becomes W + (alpha/r) B A
+    (DoRA: that rescaled to its magnitude per row), in fp32 before the cast. Without it, the base the
+    adapters were fitted to.
 
     A collective (sharded tensors are gathered): every rank must iterate it in step."""
     skip: set[int] = set()
@@ -116,6 +123,8 @@ def model_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge_a
                 skip.add(id(module.base))
                 delta = (_full(module.lora_B).float() @ _full(module.lora_A).float()) * module.scaling
                 weight = _dense_weight(module.base, torch.float32) + delta
+                if isinstance(module, DoRALinear):
+                    weight = dora_merge(weight, _full(module.magnitude).float())
                 yield join_name(prefix, "weight"), weight.to(dtype).cpu()
                 if module.base.bias is not None:
                     yield join_name(prefix, "bias"), _full(module.base.bias).to(dtype).cpu()
@@ -124,7 +133,7 @@ def model_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge_a
             for name, shape in module.shapes.items():
                 yield join_name(prefix, name), _dense_weight(getattr(module, name), dtype).view(shape).cpu()
             continue
-        if isinstance(module, NF4Linear):
+        if isinstance(module, (NF4Linear, HQQLinear)):
             yield join_name(prefix, "weight"), _dense_weight(module, dtype).cpu()
             if module.bias is not None:
                 yield join_name(prefix, "bias"), _full(module.bias).to(dtype).cpu()

@@ -9,23 +9,28 @@ tensors: the one being stored and the next one, read meanwhile.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import functools
 import json
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from qshard import expert_layout
 from qshard.adapters import LoRALinear
 from qshard.errors import QShardError
-from qshard.quant import NF4Linear, quantize_nf4
+from qshard.parallel.mesh import local_piece
+from qshard.quant import HQQLinear, NF4Linear, quantize_nf4
 from qshard.quant.experts import NF4Experts
 from qshard.weight_files import SafetensorsFile, TensorInfo, TorchBinFile
 
@@ -49,6 +54,7 @@ class Checkpoint:
             paths = sorted(set(self.files.values()))
         self._readers = {p: (TorchBinFile if p.suffix == ".bin" else SafetensorsFile)(p) for p in paths}
         self._open_bin: TorchBinFile | None = None
+        self._views: dict[str, expert_layout.Renamed | expert_layout.Stacked] = {}
         if self.index is None:
             self.files = dict.fromkeys(self._readers[paths[0]].tensors, paths[0])
         self._info: dict[str, TensorInfo] = {}
@@ -58,6 +64,7 @@ class Checkpoint:
             if name not in self._readers[path].tensors:
                 raise QShardError(f"{path}: tensor '{name}' listed in {self.index.name} is absent")
             self._info[name] = self._readers[path].tensors[name]
+        self._stored_files = dict(self.files)  # `files` lists what `adapt` shows; this, what is on disk
 
     def _tensor_files(self) -> tuple[dict[str, Path], Path | None]:
         for index_name in (INDEX_FILE, BIN_INDEX_FILE):
@@ -86,9 +93,31 @@ class Checkpoint:
     def dtype(self, name: str) -> torch.dtype:
         return self._info[name].dtype
 
+    def adapt(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Show the tensors that an older layout stores differently (per-expert MoE tensors, renamed
+        modules) under the names `expected` holds; the stored tensors they are made of are no longer listed."""
+        found = expert_layout.views(expected, {n: (i.shape, i.dtype) for n, i in self._info.items()},
+                                    lambda n: str(self.files[n]))
+        for name, view in found.items():
+            sources = view.sources()
+            first = self._info[sources[0]]
+            shape = expected[name] if isinstance(view, expert_layout.Stacked) else first.shape
+            self.files[name] = self.files[sources[0]]
+            self._info[name] = TensorInfo(first.dtype, shape, 0, first.dtype.itemsize * _numel(shape))
+            self._views[name] = view
+        for view in found.values():
+            for source in view.sources():
+                self._info.pop(source, None)
+                self.files.pop(source, None)
+
     def read(self, name: str) -> torch.Tensor:
         """The full tensor, in its stored dtype, in memory of its own (no mapping of the file stays)."""
-        reader = self._readers[self.files[name]]
+        if name in self._views:
+            return self._views[name].read(self._read_stored)
+        return self._read_stored(name)
+
+    def _read_stored(self, name: str) -> torch.Tensor:
+        reader = self._readers[self._stored_files[name]]
         if isinstance(reader, TorchBinFile) and reader is not self._open_bin:
             if self._open_bin is not None:
                 self._open_bin.close()  # at most one .bin mapping at a time
@@ -103,6 +132,13 @@ class Checkpoint:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Which checkpoint tensor feeds which parameter.
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def module_sources(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
@@ -132,7 +168,7 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
         if isinstance(module, NF4Experts):
             expected.update({join_name(prefix, name): shape for name, shape in module.shapes.items()})
             continue
-        if isinstance(module, NF4Linear):
+        if isinstance(module, (NF4Linear, HQQLinear)):
             expected[join_name(prefix, "weight")] = (module.out_features, module.in_features)
             if module.bias is not None:
                 expected[join_name(prefix, "bias")] = tuple(module.bias.shape)
@@ -148,8 +184,10 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def check_checkpoint(ckpt: Checkpoint, model: nn.Module) -> None:
-    """Every needed tensor present with the right shape, and no tensor left unexplained."""
+    """Every needed tensor present with the right shape, and no tensor left unexplained. Tensors stored in
+    another layout than the model's (per-expert MoE tensors) are shown under the model's names first."""
     expected = expected_tensors(model)
+    ckpt.adapt(expected)
     for name, shape in expected.items():
         if name not in ckpt.names():
             where = f" (none in {ckpt.index.name})" if getattr(ckpt, "index", None) is not None else ""
@@ -184,16 +222,19 @@ def _tied_names(model: nn.Module) -> set[str]:
 def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's dim-0 slice of `full` into `param` (a DTensor sharded by FSDP2, or a plain tensor),
     converting to the parameter's dtype."""
-    if isinstance(param, DTensor):
-        local = param.to_local()
-        mesh = param.device_mesh
-        chunks = torch.chunk(full, mesh.size(), dim=0)
-        index = mesh.get_local_rank()
-        piece = chunks[index] if index < len(chunks) else full[:0]
-    else:
-        local, piece = param, full
+    local = param.to_local() if isinstance(param, DTensor) else param
+    piece = local_rows(param, full)
     assert tuple(local.shape) == tuple(piece.shape), (local.shape, piece.shape)
     local.copy_(piece)
+
+
+def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The dim-0 slice of `full` that this rank's shard of `param` holds (all of it when not sharded).
+    `full` may be any tensor with `param`'s row count: FSDP2 splits rows as `torch.chunk` does."""
+    if not isinstance(param, DTensor):
+        return full
+    # On a 2-D mesh (hybrid or no sharding) the rows are split over the shard dim only.
+    return local_piece(full, param.device_mesh, param.placements)
 
 
 class TensorSource(Protocol):
@@ -210,8 +251,9 @@ def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None
         if isinstance(module, NF4Experts):
             for name in module.shapes:
                 plan.append((join_name(prefix, name), functools.partial(_store_nf4_experts, getattr(module, name))))
-        elif isinstance(module, NF4Linear):
-            plan.append((join_name(prefix, "weight"), functools.partial(_store_nf4, module)))
+        elif isinstance(module, (NF4Linear, HQQLinear)):
+            store = _store_nf4 if isinstance(module, NF4Linear) else _store_hqq
+            plan.append((join_name(prefix, "weight"), functools.partial(store, module)))
             if module.bias is not None:
                 plan.append((join_name(prefix, "bias"), functools.partial(copy_full, module.bias)))
         elif not isinstance(module, LoRALinear):
@@ -237,11 +279,41 @@ def _release_freed_memory() -> int:
     return 0
 
 
+def _quantized_rows(module: NF4Linear | HQQLinear, weight: torch.Tensor) -> torch.Tensor:
+    """The weight rows whose codes this rank's shard keeps. Storage offloaded to host memory
+    (parallel/offload.py) is a plain tensor per shard, so its sharding is asked of its `offloaded` record; the
+    codes are then written below straight into that host tensor (a copy from the device, where they were
+    quantized), so the quantized model never sits on the device whole."""
+    if module.offloaded is not None:
+        return module.offloaded.local_rows(weight)
+    return local_rows(module.packed, weight)
+
+
 def _store_nf4(module: NF4Linear, weight: torch.Tensor) -> None:
+    """Quantize only the weight rows this rank's shard keeps. NF4Linear requires in_features to be a multiple
+    of the blocksize, so no NF4 block straddles two rows and these rows' codes and scales are exactly those
+    of the whole weight; quantizing the rest would be work every other rank repeats."""
+    rows = _quantized_rows(module, weight)
+    if rows.shape[0] == 0:  # more ranks than rows: this one keeps none
+        return
     # Quantized from the stored dtype (fp32, fp16 or bf16) as is: no rounding through bf16 first.
-    packed, absmax = quantize_nf4(weight, module.blocksize)
-    copy_full(module.packed, packed)
-    copy_full(module.absmax, absmax)
+    packed, absmax = quantize_nf4(rows, module.blocksize)
+    for param, value in ((module.packed, packed), (module.absmax, absmax)):
+        local = param.to_local() if isinstance(param, DTensor) else param
+        assert tuple(local.shape) == tuple(value.shape), (local.shape, value.shape)
+        local.copy_(value)
+
+
+def _store_hqq(module: HQQLinear, weight: torch.Tensor) -> None:
+    """As `_store_nf4`: HQQ groups never straddle rows either, so only this rank's rows are quantized."""
+    rows = _quantized_rows(module, weight)
+    if rows.shape[0] == 0:
+        return
+    for name, value in module.quantize(rows).items():
+        param = getattr(module, name)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        assert tuple(local.shape) == tuple(value.shape), (local.shape, value.shape)
+        local.copy_(value)
 
 
 def _store_nf4_experts(layer: NF4Linear, weight: torch.Tensor) -> None:
@@ -331,14 +403,23 @@ class BroadcastSource:
     def __init__(self, model_dir: str | Path, is_main: bool, device: torch.device) -> None:
         self._ckpt: Checkpoint | None = None
         self.device = device
+        self._share(lambda: setattr(self, "_ckpt", Checkpoint(model_dir)) if is_main else None)
+
+    def adapt(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """`Checkpoint.adapt` on rank 0; every rank then gets the names it shows (a collective)."""
+        self._share(lambda: self._ckpt.adapt(expected) if self._ckpt is not None else None)
+
+    def _share(self, on_main: Callable[[], None]) -> None:
+        """Run `on_main` (a no-op on the other ranks), then give every rank rank 0's view, or its error."""
         meta: list = [None]
-        if is_main:
-            try:
-                self._ckpt = Checkpoint(model_dir)
-                meta[0] = ("ok", str(self._ckpt.dir), self._ckpt.index and str(self._ckpt.index),
-                           {n: (self._ckpt.shape(n), self._ckpt.dtype(n), str(p)) for n, p in self._ckpt.files.items()})
-            except QShardError as exc:
-                meta[0] = ("error", str(exc))
+        try:
+            on_main()
+            if self._ckpt is not None:
+                ckpt = self._ckpt
+                meta[0] = ("ok", str(ckpt.dir), ckpt.index and str(ckpt.index),
+                           {n: (ckpt.shape(n), ckpt.dtype(n), str(ckpt.files[n])) for n in ckpt.names()})
+        except QShardError as exc:
+            meta[0] = ("error", str(exc))
         dist.broadcast_object_list(meta, src=0)
         if meta[0][0] == "error":
             raise QShardError(meta[0][1])
@@ -369,3 +450,50 @@ class BroadcastSource:
     def close(self) -> None:
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+T = TypeVar("T")
+# Files of a model directory that hold weights; every other file (config, tokenizer, generation config)
+# is what a rank needs besides the weights.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+SHARED_FILE_MAX_BYTES = 256 << 20  # larger non-weight files (an optimizer dump left in the directory) stay
+
+
+def from_rank0(compute: Callable[[], T], is_main: bool) -> T:
+    """`compute()` run on rank 0 only, its result given to every rank; a QShardError it raises is raised
+    on every rank (a collective: no rank waits forever for a rank 0 that failed)."""
+    box: list = [None]
+    if is_main:
+        try:
+            box[0] = ("ok", compute())
+        except QShardError as exc:
+            box[0] = ("error", str(exc))
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise QShardError(value)
+    return value
+
+
+def model_files_from_rank0(model_dir: str | Path | None, is_main: bool) -> Path:
+    """Under broadcast loading: rank 0's model directory on rank 0; on every other rank, a local temporary
+    directory holding copies of its config.json and tokenizer files, sent by rank 0 (a collective). The
+    other ranks need no access to the model directory at all."""
+
+    def read() -> dict[str, bytes]:
+        from qshard.models import load_hf_config  # checks the directory and config.json, as every load does
+
+        if model_dir is None:
+            raise QShardError("model.path: no model directory given (and no model.shape)")
+        load_hf_config(model_dir)
+        return {f.name: f.read_bytes() for f in sorted(Path(model_dir).iterdir())
+                if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.stat().st_size <= SHARED_FILE_MAX_BYTES}
+
+    files = from_rank0(read, is_main)
+    if is_main:
+        return Path(model_dir)
+    local = Path(tempfile.mkdtemp(prefix="qshard-model-files-"))
+    atexit.register(shutil.rmtree, local, True)
+    for name, data in files.items():
+        (local / name).write_bytes(data)
+    return local

@@ -14,14 +14,16 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from huggingface_hub.errors import StrictDataclassError
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from qshard.adapters import LoRALinear
-from qshard.config import Config
+from qshard.adapters import DoRALinear, LoRALinear
+from qshard.config import DORA_TRAIN_TYPES, QUANTIZED_TRAIN_TYPES, Config, QuantConfig
 from qshard.errors import QShardError
-from qshard.quant import NF4Linear
+from qshard.precision import precision
+from qshard.quant import HQQLinear, NF4Linear
 from qshard.quant.experts import NF4Experts, fused_expert_params
 from qshard.quant.nf4 import can_quantize
 
@@ -75,14 +77,14 @@ def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
     attn = cfg.model.attn_implementation
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=DTYPES[cfg.model.dtype])
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=precision(cfg).compute)
         except ValueError as exc:  # e.g. an attn_implementation this architecture lacks
             if attn != "sdpa" or "scaled_dot_product_attention" not in str(exc):
                 raise QShardError(f"cannot build {type(hf_config).__name__} ({exc})") from None
             # Some architectures (Gemma 2's logit soft-capping) have eager attention only.
             log.warning("%s has no sdpa attention; using eager", type(hf_config).__name__)
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
-                                                     dtype=DTYPES[cfg.model.dtype])
+                                                     dtype=precision(cfg).compute)
     return model
 
 
@@ -116,7 +118,7 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
 @dataclass
 class SwapReport:
     adapted: list[str]  # fully qualified names of linears given a LoRA adapter
-    quantized: list[str]  # ... whose base is NF4
+    quantized: list[str]  # ... whose base is quantized (NF4 or HQQ)
     kept: list[str]  # block linears left in bf16 (shape not quantizable)
 
 
@@ -125,43 +127,70 @@ def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> S
 
     qlora: every block linear -> NF4Linear (frozen); targeted ones wrapped in LoRALinear.
     lora:  targeted block linears wrapped in LoRALinear over the frozen bf16 linear.
-    full:  nothing swapped; every parameter trains, stored in fp32 (the master copy).
+    qdora, dora: as qlora and lora, with DoRALinear (LoRA plus a trained magnitude per output row).
+    qlora and qdora quantize with quant.method: NF4Linear, or HQQLinear at quant.bits.
+    full:  nothing swapped; every parameter trains, stored in the master dtype (train.precision).
+    llama_pro: nothing swapped; the blocks `qshard expand` added train in the master dtype, the rest stays frozen.
     """
     train_type = cfg.train.train_type
-    frozen_dtype = DTYPES[cfg.model.dtype]
+    frozen_dtype, master_dtype = precision(cfg).compute, precision(cfg).master
     if train_type == "full":
-        model.to(torch.float32).requires_grad_(True)
+        cast_parameters(model, master_dtype).requires_grad_(True)
+        return SwapReport(adapted=[], quantized=[], kept=[])
+    if train_type == "llama_pro":
+        from qshard.expand import new_blocks  # expand imports this module
+
+        model.requires_grad_(False)
+        for block in new_blocks(model, blocks):
+            cast_parameters(block, master_dtype).requires_grad_(True)
         return SwapReport(adapted=[], quantized=[], kept=[])
     model.requires_grad_(False)
     targets = _resolve_targets(model, blocks, cfg.lora.target_modules)
     report = SwapReport(adapted=[], quantized=[], kept=[])
     block_names = {id(b) for b in blocks}
+    quantize = train_type in QUANTIZED_TRAIN_TYPES
+    adapter = DoRALinear if train_type in DORA_TRAIN_TYPES else LoRALinear
     for name, module in list(model.named_modules()):
         if id(module) not in block_names:
             continue
-        if train_type == "qlora":
-            _quantize_experts(model, module, name, cfg.quant.blocksize, report)
+        if quantize:
+            _quantize_experts(model, module, name, cfg.quant, report)
         for sub_name, linear in list(module.named_modules()):
             if not isinstance(linear, nn.Linear):
                 continue
             fqn = f"{name}.{sub_name}"
             base: nn.Module = linear
-            if train_type == "qlora":
+            if quantize:
                 if can_quantize(linear, cfg.quant.blocksize):
-                    base = NF4Linear.like(linear, cfg.quant.blocksize, bias_dtype=frozen_dtype)
+                    base = _quantized_like(linear, cfg.quant, frozen_dtype)
                     report.quantized.append(fqn)
                 else:
                     report.kept.append(fqn)
             if sub_name.rsplit(".", 1)[-1] in targets:
-                base = LoRALinear(base, linear.in_features, linear.out_features, cfg.lora.rank, cfg.lora.alpha,
-                                  cfg.lora.dropout)
+                base = adapter(base, linear.in_features, linear.out_features, cfg.lora.rank, cfg.lora.alpha,
+                               cfg.lora.dropout, dtype=master_dtype)
                 report.adapted.append(fqn)
             if base is not linear:
                 _set_submodule(module, sub_name, base)
     return report
 
 
-def _quantize_experts(model: nn.Module, block: nn.Module, block_name: str, blocksize: int,
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast parameters only: `module.to(dtype)` would cast buffers too, and rotary `inv_freq` must stay
+    fp32 (bf16 positions lose whole tokens at long context). `.data` keeps tied parameters tied."""
+    for param in module.parameters():
+        param.data = param.data.to(dtype)
+    return module
+
+
+def _quantized_like(linear: nn.Linear, quant: QuantConfig, bias_dtype: torch.dtype) -> nn.Module:
+    """An empty frozen quantized layer of `linear`'s shape, in quant.method's format."""
+    if quant.method == "hqq":
+        return HQQLinear.like(linear, quant.bits, quant.blocksize, bias_dtype=bias_dtype)
+    return NF4Linear.like(linear, quant.blocksize, bias_dtype=bias_dtype)
+
+
+def _quantize_experts(model: nn.Module, block: nn.Module, block_name: str, quant: QuantConfig,
                       report: SwapReport) -> None:
     """Swap each fused-experts module (3-D [experts, out, in] weights, transformers 5's MoE layout) of a
     block for an NF4Experts; refuse an experts module holding anything else, which qshard cannot run."""
@@ -170,6 +199,11 @@ def _quantize_experts(model: nn.Module, block: nn.Module, block_name: str, block
         if not shapes:
             continue
         fqn = f"{block_name}.{sub_name}"
+        if quant.method != "nf4":
+            raise QShardError(
+                f"{type(model).__name__}: experts module '{fqn}' holds fused MoE weights, which quant.method "
+                f"{quant.method} does not quantize yet; use quant.method nf4"
+            )
         other = [n for n, p in module.named_parameters() if p.ndim != 3 or "." in n]
         if other:
             raise QShardError(
@@ -177,10 +211,10 @@ def _quantize_experts(model: nn.Module, block: nn.Module, block_name: str, block
                 f"besides 3-D [experts, out, in] weights ({', '.join(other)}), which qshard cannot quantize; "
                 "use train.train_type lora or full"
             )
-        if any(shape[2] % blocksize for shape in shapes.values()):
+        if any(shape[2] % quant.blocksize for shape in shapes.values()):
             report.kept.append(fqn)
             continue
-        _set_submodule(block, sub_name, NF4Experts(module, blocksize))
+        _set_submodule(block, sub_name, NF4Experts(module, quant.blocksize))
         report.quantized.append(fqn)
 
 
@@ -240,7 +274,10 @@ def _recompute(model: nn.Module, prefix: str, module: nn.Module, names: list[str
 def _buffers_only_copy(module: nn.Module, names: list[str]) -> nn.Module:
     """A shallow copy of `module` whose named buffers are NaN-filled CPU tensors (NaN shows what no
     initializer wrote) and whose parameters and children are the meta ones."""
-    copy = module.__new__(type(module))
+    # An FSDP2-sharded module's class is a generated subclass whose __new__ constructs; the model's own class
+    # is the first one FSDP2 did not generate.
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    copy = object.__new__(cls)
     copy.__dict__ = dict(module.__dict__)
     copy._buffers = dict(module._buffers)
     for name in names:

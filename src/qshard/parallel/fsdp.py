@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
-from qshard.config import Config
-from qshard.models import DTYPES
-from qshard.quant import NF4Linear
-
-
-def mixed_precision(cfg: Config) -> MixedPrecisionPolicy:
-    """Compute in the model dtype (bf16 by default); reduce gradients in fp32 so that summing many
-    ranks' contributions loses nothing. Trainable params are stored in fp32 (the master copy); FSDP2
-    casts only floating params, so NF4 codes and scales pass through untouched."""
-    return MixedPrecisionPolicy(param_dtype=DTYPES[cfg.model.dtype], reduce_dtype=torch.float32)
+from qshard.config import Config, reshard_after_forward
+from qshard.parallel.checkpointing import apply_activation_checkpointing
+from qshard.parallel.compile import compile_blocks
+from qshard.parallel.mesh import local_piece, shard_placements
+from qshard.parallel.offload import offload_policy, offload_quantized_storage
+from qshard.precision import precision
+from qshard.quant import QUANTIZED_LINEARS
 
 
 def fsdp_accepts_integer_params(mesh: DeviceMesh) -> bool:
@@ -33,17 +29,25 @@ def fsdp_accepts_integer_params(mesh: DeviceMesh) -> bool:
     return True
 
 
-def shard_as_dtensor_buffers(layer: NF4Linear, mesh: DeviceMesh) -> None:
-    """Move an NF4 layer's codes and scales out of FSDP2's reach into dim-0-sharded DTensor buffers:
-    each rank still stores 1/world of them and gathers them, still 4-bit, when the layer runs."""
-    for name in ("packed", "absmax"):
+def shard_as_dtensor_buffers(layer: nn.Module, mesh: DeviceMesh) -> None:
+    """Move a quantized layer's codes and scales (NF4 or HQQ) out of FSDP2's reach into dim-0-sharded DTensor buffers:
+    each rank still stores 1/shard-group of them and gathers them, still 4-bit, when the layer runs.
+    On a 2-D mesh (hybrid, none) they are replicated across the first dim, as FSDP2 places its params."""
+    placements = shard_placements(mesh)
+    # The integer parameters are the quantized storage (codes and scales); a float bias stays with FSDP2.
+    for name in [n for n, p in layer.named_parameters(recurse=False) if not p.is_floating_point()]:
         param = layer._parameters.pop(name)
-        local = torch.chunk(param.data, mesh.size(), dim=0)
-        index = mesh.get_local_rank()
-        piece = local[index] if index < len(local) else param.data[:0]
-        sharded = DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=param.shape,
+        piece = local_piece(param.data, mesh, placements)
+        sharded = DTensor.from_local(piece, mesh, placements, run_check=False, shape=param.shape,
                                      stride=param.stride())
         layer.register_buffer(name, sharded)
+
+
+def compute_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device for the mesh's device type (init_distributed has made it the current CUDA device)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def quant_sharding(cfg: Config, mesh: DeviceMesh) -> str:
@@ -53,23 +57,36 @@ def quant_sharding(cfg: Config, mesh: DeviceMesh) -> str:
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: Config) -> str:
-    """Checkpointing first, then one FSDP unit per block, then the root (embeddings, final norm, head).
+    """Checkpointing first, then compilation, then one FSDP unit per block, the embedding and the head, then
+    the root.
     Returns how the quantized storage is sharded ("fsdp" or "dtensor")."""
-    mp = mixed_precision(cfg)
+    mp = precision(cfg).mp_policy()
     how = quant_sharding(cfg, mesh)
     if how == "dtensor":
         for module in model.modules():
-            if isinstance(module, NF4Linear):
+            if isinstance(module, QUANTIZED_LINEARS):
                 shard_as_dtensor_buffers(module, mesh)
-    for block in blocks:
-        if cfg.parallel.activation_checkpointing:
-            # The composable API keeps parameter names unchanged (a wrapper module would prefix them).
-            checkpoint(block)
+        if cfg.parallel.cpu_offload:
+            # FSDP2's CPUOffloadPolicy moves only what FSDP2 manages: the quantized storage, the bulk of the
+            # model, goes to host memory here (before materialization, so it never exists on the GPU whole).
+            offload_quantized_storage(model, blocks, compute_device(mesh))
+    apply_activation_checkpointing(model, blocks, cfg.parallel)
+    if cfg.parallel.compile:
+        compile_blocks(blocks, cfg.parallel.compile_backend)
+    offload = offload_policy(cfg)
     for i, block in enumerate(blocks):
         # The last block's weights are needed again at once by backward: keeping them saves an all-gather.
-        reshard = cfg.parallel.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
+        reshard = reshard_after_forward(cfg) and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is not embed.weight:  # a tied pair must stay in one unit (the root)
+        # Units of their own, so neither holds a gathered copy for the whole step: the embedding is needed
+        # in its forward only (and in backward only if it trains); the head stays gathered from forward
+        # into backward, which begins with it, and the chunked loss reads its weight (train/loss.py).
+        fully_shard(embed, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload)
+        fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
+    # The root (what is left: final norm, a tied embedding/head) is needed again at once by backward.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
     return how
 
 

@@ -13,19 +13,14 @@ dim-0 shards always hold whole blocks and their own scales.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from bitsandbytes import functional as bnbf
 from torch.distributed.tensor import DTensor
 
-
-@functools.cache
-def _nf4_code(device: torch.device) -> torch.Tensor:
-    # Built once per device: creating it per call would be a host-to-device copy in every forward.
-    return bnbf.get_4bit_type("nf4", device=device)
+# The 16 NF4 levels; a plain tensor (not a cached call) so that a compiled graph holds it as a constant.
+_NF4_VALUES = bnbf.get_4bit_type("nf4", device="cpu")
 
 
 def quantize_nf4(weight: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,19 +33,31 @@ def quantize_nf4(weight: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, to
 
 
 def dequantize_nf4(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize_nf4` through bitsandbytes' kernels (CUDA) or its CPU path."""
+    """Inverse of `quantize_nf4`: bitsandbytes' kernel (CUDA) or its CPU path, called through its op directly
+    (its Python wrapper builds a QuantState and validates it on every call: CPU time in every forward)."""
     out_features, half_in = packed.shape
     in_features = half_in * 2
     blocksize = in_features // absmax_bits.shape[1]
-    state = bnbf.QuantState(
-        absmax=absmax_bits.view(torch.float32).reshape(-1),
-        shape=torch.Size((out_features, in_features)),
-        code=_nf4_code(packed.device),
-        blocksize=blocksize,
-        quant_type="nf4",
-        dtype=dtype,
+    absmax = absmax_bits.view(torch.float32).reshape(-1)
+    return torch.ops.bitsandbytes.dequantize_4bit.default(
+        packed.reshape(-1, 1), absmax, blocksize, "nf4", [out_features, in_features], dtype
     )
-    return bnbf.dequantize_4bit(packed.reshape(-1, 1), state)
+
+
+def dequantize_nf4_torch(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The same function in plain torch ops (bit-identical: a table lookup, then one fp32 multiply per weight),
+    for compiled blocks: the compiler fuses it into a single kernel, where bitsandbytes' op is opaque."""
+    out_features, half_in = packed.shape
+    n_blocks = absmax_bits.shape[1]
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(out_features, n_blocks, -1)
+    values = _NF4_VALUES.to(packed.device)[codes.long()] * absmax_bits.view(torch.float32).unsqueeze(-1)
+    return values.view(out_features, half_in * 2).to(dtype)
+
+
+def _dequantize(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return dequantize_nf4_torch(packed, absmax_bits, dtype)
+    return dequantize_nf4(packed, absmax_bits, dtype)
 
 
 def can_quantize(linear: nn.Linear, blocksize: int) -> bool:
@@ -66,12 +73,41 @@ def _gathered(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
 
 
+def full_storage(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    """A quantized layer's whole storage (`layer.STORAGE`, in that order) on the compute device. Where
+    `parallel.cpu_offload` put it in host memory, `layer.offloaded` (parallel/offload.py, attached at build
+    time) brings this rank's shards over and gathers them; otherwise the layer's own tensors are gathered."""
+    if layer.offloaded is not None:
+        return layer.offloaded.full()
+    return tuple(_gathered(getattr(layer, name)) for name in layer.STORAGE)
+
+
 class _NF4Matmul(torch.autograd.Function):
-    """y = x W^T with W dequantized on the fly; backward dequantizes again instead of saving W (or the
-    gathered codes), so the activation memory of a frozen layer is its input only."""
+    """y = x W^T with W dequantized on the fly; backward dequantizes again instead of saving W, so the
+    activation memory of a frozen layer is its input only. The storage saved for backward is the layer's own
+    (sharded or FSDP-managed) tensors, not a gathered copy."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: NF4Linear) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(packed, absmax)
+        return F.linear(x, _dequantize(_gathered(packed), _gathered(absmax), x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            packed, absmax = ctx.saved_tensors
+            grad_x = grad_out @ _dequantize(_gathered(packed), _gathered(absmax), grad_out.dtype)
+        return grad_x, None, None
+
+
+class _RefetchingMatmul(torch.autograd.Function):
+    """y = x W^T for a layer whose storage lives in host memory: no device tensor is saved for backward,
+    only the layer, which fetches its storage and dequantizes again there (the same cost as `_NF4Matmul`'s
+    re-dequantization, plus the copy from the host that the offload's prefetch hides)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         ctx.layer = layer
         return F.linear(x, layer.dequantized_weight(x.dtype))
 
@@ -85,6 +121,10 @@ class _NF4Matmul(torch.autograd.Function):
 
 class NF4Linear(nn.Module):
     """A frozen linear layer stored in NF4. Parameters (not buffers) so that FSDP2 shards them."""
+
+    STORAGE = ("packed", "absmax")
+    # Set at build time (parallel/offload.py) when the storage is kept in host memory.
+    offloaded = None
 
     def __init__(
         self,
@@ -128,10 +168,13 @@ class NF4Linear(nn.Module):
         self.absmax.copy_(absmax)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return dequantize_nf4(_gathered(self.packed), _gathered(self.absmax), dtype)
+        return _dequantize(*full_storage(self), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _NF4Matmul.apply(x, self)
+        if self.offloaded is None:
+            y = _NF4Matmul.apply(x, self.packed, self.absmax)
+        else:  # saving the host tensors would be free, but backward must fetch them again anyway
+            y = _RefetchingMatmul.apply(x, self)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -9,26 +9,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
-from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, collate, input_tokens, model_inputs
+from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, collate, for_epoch, input_tokens
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
+from qshard.parallel.offload import activation_offload, optimizer_device
+from qshard.precision import precision
+from qshard.train.loss import build_loss
 from qshard.train.metrics import MetricsLog, Progress, peak_memory_gib
 from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-
-
-def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over trained tokens, in fp32 (bf16 logits lose too much in the
-    log-sum-exp over a large vocabulary). Summed, not averaged: the caller divides by the token count of
-    the whole global batch so that every split of it gives the same gradient."""
-    logits = model(**model_inputs(batch), use_cache=False).logits
-    labels = batch["labels"][:, 1:]
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -71,7 +62,13 @@ class Trainer:
         )
         self.total_steps = t.max_steps or t.epochs * self.sampler.steps_per_epoch
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(model, cfg.optim, env.device)
+        # Summed next-token cross-entropy over trained tokens, in fp32 (chunked over the vocabulary's logits
+        # where the architecture allows); the step divides by the global batch's trained-token count.
+        self.loss_sum = build_loss(model, t.loss_chunk_tokens)
+        self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device))
+        # Loss scaling for fp16_mixed; in every other mode a pass-through with the same interface.
+        self.scaler = precision(cfg).grad_scaler(env.device)
+        self.activation_offload = activation_offload(cfg, env.device)  # a context factory (or a no-op one)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
         self.progress = Progress(self.total_steps, env.is_main, t.log_every)
         self.stop_requested = False  # set on this rank by the preemption signal handler
@@ -83,7 +80,8 @@ class Trainer:
         """One optimizer step over the global batch `step` (0-based)."""
         start = time.perf_counter()
         self.model.train()
-        batches = [self._batch(idx) for idx in self.sampler.microbatches(step)]
+        examples = for_epoch(self.train_examples, self.sampler.epoch_of(step))  # packed anew each epoch
+        batches = [self._batch(idx, examples) for idx in self.sampler.microbatches(step)]
 
         # Normalize by the trained tokens of the whole global batch, all ranks and micro-batches, so the
         # gradient is the per-token mean however the batch is split. FSDP2 averages gradients over ranks;
@@ -95,13 +93,18 @@ class Trainer:
 
         loss_sum = torch.zeros((), device=self.env.device)
         for batch in batches:
-            loss = token_loss_sum(self.model, batch)
-            (loss * scale).backward()
+            with self.activation_offload():
+                loss = self.loss_sum(self.model, batch)
+            self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
 
+        # Unscaled first, so that the norm and the clipping see the true gradients.
+        self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.params, self.cfg.optim.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        # Skipped (fp16) when any rank's gradients overflowed; update() then lowers the scale for every rank.
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -124,6 +127,7 @@ class Trainer:
             "tokens_per_s": n_input / elapsed,
             "step_time_s": elapsed,
             "peak_mem_gib": peak_memory_gib(self.env.device),
+            "loss_scale": self.scaler.get_scale(),  # 1.0 unless fp16_mixed
         }
 
     # -----------------------------------------------------------------------------------------------------------
@@ -170,9 +174,17 @@ class Trainer:
         final = done == self.total_steps or result.preempted
         if final or (every and done % every == 0):
             meta = {**self.checkpoint_meta, "step": done, "scheduler": self.scheduler.state_dict(),
+                    "grad_scaler": self.scaler.state_dict(),  # {} unless fp16_mixed
                     "eval_loss_start": result.first.loss if result.first else None}
             # The last save (or one forced by preemption) must be on disk before the process exits.
             checkpoints.save(done, self.model, self.optimizer, meta, blocking=final)
+
+    def restore(self, state: dict) -> None:
+        """The schedule's and the loss scaler's state from a checkpoint's trainer_state.json. A checkpoint
+        saved in another precision mode has no scaler state: fp16 then starts from the initial scale."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler.is_enabled() and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
 
     @torch.no_grad()
     def evaluate(self) -> EvalResult:
@@ -190,7 +202,7 @@ class Trainer:
             batch = self._batch([i if i < n else 0 for i in chunk], self.eval_examples)
             if len(real) < len(chunk):  # padding examples contribute no tokens
                 batch["labels"][len(real) :] = IGNORE_INDEX
-            loss_sum += token_loss_sum(self.model, batch)
+            loss_sum += self.loss_sum(self.model, batch)
             tokens += trained_tokens(batch)
         total_loss = self._all_sum_tensor(loss_sum)
         total_tokens = self._all_sum([tokens])[0]

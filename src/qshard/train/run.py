@@ -4,6 +4,7 @@ every input has been checked, and summary.json (written last) marks a finished r
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -16,9 +17,9 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn as nn
 
-from qshard import checkpoint, data, demo, export, models
+from qshard import checkpoint, data, demo, export, loading, models
 from qshard import config as config_mod
-from qshard.build import build_model, describe, load_tokenizer
+from qshard.build import build_model, describe, files_from_rank0, load_tokenizer
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.errors import QShardError
@@ -57,7 +58,7 @@ def _demo_inputs(cfg: Config, env: DistEnv, out: Path) -> None:
         cfg.data.path = str(demo_data / "train.jsonl")
         if cfg.data.eval_path is None:
             cfg.data.eval_path = str(demo_data / "eval.jsonl")
-    if cfg.model.path is None:
+    if cfg.model.path is None and cfg.model.shape is None:
         model_dir = out / "demo-model"
         if env.is_main:
             demo.write_demo_model(model_dir)
@@ -74,7 +75,7 @@ class RunResult:
 
 
 def run_training(cfg: Config) -> RunResult:
-    env = init_distributed()
+    env = init_distributed(cpu_collectives=cfg.parallel.cpu_offload)
     try:
         return train(cfg, env)
     finally:
@@ -84,22 +85,22 @@ def run_training(cfg: Config) -> RunResult:
 def train(cfg: Config, env: DistEnv) -> RunResult:
     started = time.perf_counter()
     out = resolve_output_dir(cfg)
-    if (cfg.data.path is None and not cfg.data.sources) or cfg.model.path is None:
+    no_model = cfg.model.path is None and cfg.model.shape is None
+    if (cfg.data.path is None and not cfg.data.sources) or no_model:
         if env.is_main:
-            log.info("no %s given: running the embedded demo", "model" if cfg.model.path is None else "data")
+            log.info("no %s given: running the embedded demo", "model" if no_model else "data")
         _demo_inputs(cfg, env, out)
 
-    models.load_hf_config(cfg.model.path)  # the model directory's own errors first, before the tokenizer's
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = _tokenizer(cfg, env)
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
     resume = checkpoint.resolve_resume(cfg, out)
     resume_state, fingerprint = None, None
     if resume is not None:  # refuse a foreign checkpoint before the model is built and loaded
         resume_state = checkpoint.read_state(resume)
-        fingerprint = checkpoint.base_fingerprint(cfg.model.path)
+        fingerprint = _base_fingerprint(cfg, env)
         checkpoint.check_compatible(resume, resume_state, cfg, fingerprint)
     model, report = build_model(cfg, env, cfg.model.path)
-    fingerprint = fingerprint or checkpoint.base_fingerprint(cfg.model.path)
+    fingerprint = fingerprint or _base_fingerprint(cfg, env)
     if env.is_main:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
         log.info("data: %d training and %d held-out examples", len(train_examples), len(eval_examples))
@@ -107,7 +108,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = Trainer(cfg, env, model, train_examples, eval_examples, pad_id)  # checks the data fills a batch
     trainer.checkpoint_meta = {
-        "base_model": str(Path(cfg.model.path).resolve()),
+        "base_model": base_model_name(cfg),
         "base_fingerprint": fingerprint,
         "world_size": env.world_size,
         "global_batch": trainer.sampler.global_batch_size,
@@ -117,7 +118,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
     if resume_state is not None:
         load_started = time.perf_counter()
         checkpoint.load(resume, model, trainer.optimizer)
-        trainer.scheduler.load_state_dict(resume_state["scheduler"])
+        trainer.restore(resume_state)  # schedule and loss scale
         start_step = resume_state["step"]
         if resume_state.get("eval_loss_start") is not None:
             first = EvalResult(resume_state["eval_loss_start"], 0)
@@ -158,8 +159,8 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
     }
     if env.is_main:
         if report.adapted:
-            base = str(Path(cfg.model.path).resolve())
-            export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(model), base)
+            export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(model),
+                                      base_model_name(cfg))
         _write_json_atomic(out / "summary.json", summary)
         if first is not None and last is not None:
             log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
@@ -167,6 +168,49 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
         log.info("finished %d steps in %.1f s; results in %s", trainer.total_steps, summary["elapsed_s"], out)
     dist.barrier()
     return RunResult(out, summary, model)
+
+
+def _tokenizer(cfg: Config, env: DistEnv):
+    """The model directory's tokenizer (under broadcast loading, from files rank 0 sent), or for a named
+    shape without a directory, the demo tokenizer, whose ids must fit the shape's vocabulary."""
+    if cfg.model.path is None:
+        from qshard.demo_tokenizer import build_demo_tokenizer
+        from qshard.random_model import named_config
+
+        vocab = named_config(cfg.model.shape).vocab_size
+        tokenizer = build_demo_tokenizer()
+        if len(tokenizer) > vocab:
+            raise QShardError(
+                f"model.shape {cfg.model.shape}: its vocabulary of {vocab} tokens is smaller than the demo "
+                f"tokenizer's {len(tokenizer)}; give model.path a directory with a tokenizer that fits"
+            )
+        return tokenizer
+    model_dir = cfg.model.path
+    if files_from_rank0(cfg, env):
+        model_dir = loading.model_files_from_rank0(model_dir, env.is_main)
+    models.load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
+    return load_tokenizer(model_dir)
+
+
+def base_fingerprint(cfg: Config) -> str:
+    """What identifies the frozen base, for checkpoints: its files, or for a named shape without a
+    directory, the shape and the seed its random weights come from."""
+    if cfg.model.path is None:
+        return hashlib.sha256(f"shape {cfg.model.shape} seed {cfg.train.seed}".encode()).hexdigest()[:16]
+    return checkpoint.base_fingerprint(cfg.model.path)
+
+
+def _base_fingerprint(cfg: Config, env: DistEnv) -> str:
+    if files_from_rank0(cfg, env):  # only rank 0 can read the files
+        return loading.from_rank0(lambda: base_fingerprint(cfg), env.is_main)
+    return base_fingerprint(cfg)
+
+
+def base_model_name(cfg: Config) -> str:
+    """The base named in adapter_config.json and checkpoints: the model directory, or the random shape."""
+    if cfg.model.path is None:
+        return f"qshard random {cfg.model.shape} (seed {cfg.train.seed})"
+    return str(Path(cfg.model.path).resolve())
 
 
 def _warn_if_data_order_changes(state: dict, trainer: Trainer, env: DistEnv) -> None:

@@ -1,0 +1,146 @@
+"""Training speed on one GPU, qshard against the transformers + peft + bitsandbytes stack, in one invocation.
+
+  python3 benchmarks/speed.py --out DIR [--seq 2048] [--batch 1] [--steps 15] [--warmup 5]
+                              [--systems qshard,qshard-compiled,reference] [--qshard-args "..."]
+
+Builds the random-weight Llama-3-8B-shaped checkpoint (if absent) and a dataset of full-length examples,
+trains each system on exactly the same examples (LoRA r=64 alpha 16 on every block linear, NF4 base,
+activation checkpointing, AdamW, constant lr), each in a fresh process, and prints one table:
+
+  median step time over the steps after warm-up, tok/s, MFU, peak allocated GPU memory, ratio to the reference.
+
+MFU = tok/s x 6 x N / peak, where N counts the weights of every matmul a token goes through (the blocks'
+linears and the output head; not the input embedding, attention scores, or the LoRA factors) and 6 is
+forward + recomputation under checkpointing + the backward to the activations (the frozen base needs no
+weight gradients); peak is the GPU's dense bf16 rate (989.4 TFLOP/s for H100/H200 SXM).
+Results go to DIR/results.json; benchmarks/chart.py draws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def run(cmd: list[str], log: Path) -> None:
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        tail = log.read_text().splitlines()[-30:]
+        raise SystemExit(f"failed ({proc.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail))
+
+
+def matmul_params(args) -> int:
+    """Weights per token's matmuls: every block linear plus the head (the input embedding is a lookup)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qshard.random_model import named_config
+
+    config = named_config(args.shape) if args.shape else AutoConfig.from_pretrained(args.ckpt)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def gpu_peak_flops() -> tuple[str, float | None]:
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return name, peak
+
+
+def prepare_inputs(args) -> Path:
+    """The random-weight checkpoint (written once) and a dataset of full-length examples; returns the data."""
+    py = sys.executable
+    if not args.shape and not (args.ckpt / "config.json").is_file():
+        run([py, "-m", "qshard", "make-checkpoint", "--shape", "llama3-8b", "--out", str(args.ckpt), "--device",
+             "cuda"], args.out / "make-checkpoint.log")
+    data = args.out / "data.jsonl"
+    run([py, str(HERE / "make_data.py"), "--out", str(data), "--examples", str(args.batch * args.steps + 8),
+         "--tokens", str(args.seq)], args.out / "make-data.log")
+    return data
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--ckpt", type=Path, default=Path("/tmp/llama3-8b-random"))
+    p.add_argument("--shape", help="a named shape (e.g. llama3-70b) with random weights instead of --ckpt; qshard "
+                   "only (the reference needs a checkpoint)")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians (compilation, caches)")
+    p.add_argument("--systems", default="qshard,qshard-compiled,reference")
+    p.add_argument("--qshard-args", default="", help="extra options for every qshard run")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = prepare_inputs(args)
+    model = ["--model.shape", args.shape] if args.shape else ["--model", str(args.ckpt)]
+    base = ["-m", "qshard", "train", *model, "--data", str(data), "--overwrite",
+            "--max-length", str(args.seq), "--batch-size", str(args.batch), "--max-steps", str(args.steps),
+            "--lora-rank", "64", "--lora.alpha", "16", "--data.eval_fraction", "0", "--optim.schedule", "constant",
+            "--lr", "1e-4", *shlex.split(args.qshard_args)]
+    results = []
+    for system in args.systems.split(","):
+        try:
+            results.append(run_system(system, args, base, data))
+        except SystemExit as exc:  # one system failing still leaves the others' numbers
+            print(f"{system}: {exc}", file=sys.stderr)
+    report_results(results, args)
+
+
+def run_system(system: str, args, base: list[str], data: Path) -> dict:
+    py = sys.executable
+    variants = {"qshard": [], "qshard-compiled": ["--parallel.compile", "true"]}
+    log = args.out / f"{system}.log"
+    if system == "reference":
+        cmd = [py, str(HERE / "hf_reference.py"), "--model", str(args.ckpt), "--data", str(data), "--seq",
+               str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        run(cmd, log)
+        result = json.loads(log.read_text().strip().splitlines()[-1])
+    else:
+        run_dir = args.out / system
+        cmd = [py, *base, "--output-dir", str(run_dir), *variants[system]]
+        run(cmd, log)
+        summary = subprocess.run([py, str(HERE / "summarize.py"), str(run_dir / "metrics.jsonl"), "--warmup",
+                                  str(args.warmup)], capture_output=True, text=True, check=True)
+        result = json.loads(summary.stdout)
+        result["system"] = system
+    result["command"] = shlex.join(cmd)
+    return result
+
+
+def report_results(results: list[dict], args) -> None:
+    device, peak = gpu_peak_flops()
+    flops_per_token = 6 * matmul_params(args)
+    reference = next((r for r in results if r["system"] == "transformers+peft+bnb"), None)
+    for r in results:
+        r["mfu"] = r["tokens_per_s"] * flops_per_token / peak if peak else None
+        r["vs_reference"] = r["tokens_per_s"] / reference["tokens_per_s"] if reference else None
+    report = {"device": device, "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+              "flops_per_token": flops_per_token, "results": results,
+              "torch": __import__("torch").__version__}
+    (args.out / "results.json").write_text(json.dumps(report, indent=1))
+
+    print(f"\n{device}, seq {args.seq}, batch {args.batch}, median of steps {args.warmup + 1}-{args.steps}")
+    print("| system | median step (s) | tok/s | MFU | peak allocated GiB | vs reference |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
+        ratio = f"{r['vs_reference']:.2f}x" if r["vs_reference"] else "-"
+        print(f"| {r['system']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
+              f"{r['peak_alloc_gib']:.2f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

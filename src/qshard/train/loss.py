@@ -1,0 +1,137 @@
+"""The training loss: summed next-token cross-entropy over the trained tokens, in fp32.
+
+Two implementations of the same function, chosen once when the trainer is built:
+
+- `FullLogitsLoss` asks the model for its logits, as any Hugging Face causal LM returns them. Over a
+  128k vocabulary that is [tokens, 128k] in bf16, again in fp32 for the log-sum-exp, and once more for
+  the gradient: about 2.5 GiB at 2,048 tokens and 10 GiB at 8,192.
+- `ChunkedLoss` stops the model before its head (`logits_to_keep` with no positions), takes the final
+  hidden states, and applies the head and cross-entropy a few hundred tokens at a time, recomputing each
+  chunk's logits in backward: never more than one chunk of logits exists. Used for architectures whose
+  head is a plain linear (optionally with Gemma's tanh soft-capping), which covers every family qshard
+  lists; anything else keeps the full-logits path.
+
+Both sum (not average) the loss: the trainer divides by the trained-token count of the global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from qshard.data import IGNORE_INDEX, model_inputs
+
+log = logging.getLogger("qshard")
+
+# Model types whose forward ends in `lm_head(hidden_states)` followed only by an optional
+# `final_logit_softcapping` (Gemma 2/3); others may scale logits in ways this module does not know.
+PLAIN_HEAD_MODEL_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2",
+    "gemma3_text",
+})
+
+
+class FullLogitsLoss:
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(**model_inputs(batch), use_cache=False).logits
+        labels = batch["labels"][:, 1:]
+        # fp32: bf16 logits lose too much in the log-sum-exp over a large vocabulary.
+        return F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+
+
+class ChunkedLoss:
+    def __init__(self, model: nn.Module, chunk_tokens: int) -> None:
+        self.head = model.get_output_embeddings()
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.chunk_tokens = chunk_tokens
+        self.hidden: torch.Tensor | None = None
+        # The decoder's output is the head's input; a hook hands it over without asking the model for logits.
+        model.base_model.register_forward_hook(self._capture)
+
+    def _capture(self, _module: nn.Module, _args, output) -> None:
+        self.hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        device = batch["input_ids"].device
+        no_positions = torch.empty(0, dtype=torch.long, device=device)
+        model(**model_inputs(batch), use_cache=False, logits_to_keep=no_positions)
+        hidden, self.hidden = self.hidden, None
+        labels = batch["labels"][:, 1:].flatten()
+        keep = labels != IGNORE_INDEX  # prompt and padding positions need no logits at all
+        states = hidden[:, :-1].flatten(0, 1)[keep]
+        # The head's weight as its FSDP unit gathered it (kept from the forward into backward, see
+        # parallel/fsdp.py; unshard() is a no-op then). Still sharded, e.g. outside FSDP: gathered here.
+        if isinstance(self.head, FSDPModule):
+            self.head.unshard()
+        weight, bias = self.head.weight, self.head.bias
+        if isinstance(weight, DTensor):
+            weight = weight.full_tensor()
+        if isinstance(bias, DTensor):
+            bias = bias.full_tensor()
+        return _ChunkedHeadCE.apply(states, labels[keep], weight, bias, self.chunk_tokens, self.softcap)
+
+
+def _chunk_loss(states, labels, weight, bias, softcap) -> torch.Tensor:
+    """The full-logits path's arithmetic on a slice of tokens: logits in the compute dtype, soft-capped
+    there as the model would, then cross-entropy in fp32."""
+    logits = F.linear(states, weight.to(states.dtype), None if bias is None else bias.to(states.dtype))
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, states, labels, weight, bias, chunk_tokens, softcap):
+        ctx.save_for_backward(states, labels, weight, bias)
+        ctx.chunk_tokens, ctx.softcap = chunk_tokens, softcap
+        total = states.new_zeros((), dtype=torch.float32)
+        for start in range(0, states.shape[0], chunk_tokens):
+            end = start + chunk_tokens
+            total += _chunk_loss(states[start:end], labels[start:end], weight, bias, softcap)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        states, labels, weight, bias = ctx.saved_tensors
+        need_states, _, need_weight, need_bias = ctx.needs_input_grad[:4]
+        grad_states = torch.empty_like(states) if need_states else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        weight_leaf = weight.detach().requires_grad_(need_weight)
+        bias_leaf = None if bias is None else bias.detach().requires_grad_(need_bias)
+        for start in range(0, states.shape[0], ctx.chunk_tokens):
+            end = start + ctx.chunk_tokens
+            piece = states[start:end].detach().requires_grad_(need_states)
+            inputs = [t for t, need in ((piece, need_states), (weight_leaf, need_weight), (bias_leaf, need_bias))
+                      if need]
+            with torch.enable_grad():
+                loss = _chunk_loss(piece, labels[start:end], weight_leaf, bias_leaf, ctx.softcap)
+                grads = iter(torch.autograd.grad(loss, inputs, grad_total))
+            if need_states:
+                grad_states[start:end] = next(grads)
+            if need_weight:
+                grad_weight += next(grads)
+            if need_bias:
+                grad_bias += next(grads)
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return grad_states, None, cast(grad_weight, weight), cast(grad_bias, bias), None, None
+
+
+def build_loss(model: nn.Module, chunk_tokens: int):
+    """The chunked loss where the architecture's head is known to be plain; the full-logits one otherwise
+    (or when `train.loss_chunk_tokens` is 0)."""
+    model_type = getattr(model.config, "model_type", None)
+    if chunk_tokens <= 0:
+        return FullLogitsLoss()
+    if model_type not in PLAIN_HEAD_MODEL_TYPES or model.get_output_embeddings() is None:
+        log.info("loss over full logits: %s's output head is not one qshard chunks", model_type)
+        return FullLogitsLoss()
+    return ChunkedLoss(model, chunk_tokens)
