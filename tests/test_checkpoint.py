@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from importlib import resources
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from qshard import export
 from qshard.checkpoint import STATE_FILE, complete_checkpoints
 from qshard.config import Config
+from qshard.errors import QShardError
 from qshard.train.run import train
 
 DEMO = resources.files("qshard") / "demo_data"
@@ -199,6 +201,19 @@ def test_resume_refuses_another_base_model(uninterrupted, tiny_models, tmp_path)
     proc = _run(_args(tiny_models("llama"), tmp_path / "y", "--resume", str(ckpt), "--lora-rank", "4"))
     assert "lora.rank" in _error_line(proc)
     assert not (tmp_path / "x" / "config.yaml").exists() and not (tmp_path / "y" / "config.yaml").exists()
+
+
+def test_resume_refuses_another_quantized_base():
+    from qshard.checkpoint import check_compatible
+
+    saved = Config().to_dict()
+    del saved["quant"]["method"], saved["quant"]["bits"]  # as an older qshard saved it: nf4, 4 bits
+    state = {"base_fingerprint": "f", "config": saved}
+    check_compatible(Path("ck"), state, Config(), "f")  # same base, same quantization
+    cfg = Config()
+    cfg.quant.method, cfg.quant.bits = "hqq", 2
+    with pytest.raises(QShardError, match=r"quant.method='nf4', but this run has quant.method='hqq'"):
+        check_compatible(Path("ck"), state, cfg.validate(), "f")
 
 
 def test_corrupt_checkpoint_is_a_clear_error(uninterrupted, tiny_models, tmp_path):

@@ -46,7 +46,8 @@ STATE_FILE = "trainer_state.json"
 _SAMPLE = 1 << 20
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # Options a checkpoint's tensors depend on: resuming with other values cannot load it.
-SHAPE_KEYS = ("train.train_type", "lora.rank", "lora.target_modules", "quant.blocksize", "model.block_class")
+SHAPE_KEYS = ("train.train_type", "lora.rank", "lora.target_modules", "quant.method", "quant.bits",
+              "quant.blocksize", "model.block_class")
 
 _SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 
@@ -197,10 +198,11 @@ def check_compatible(path: Path, state: dict, cfg: Config, fingerprint: str) -> 
             f"not {cfg.model.path}"
         )
     saved = state.get("config", {})
-    current = cfg.to_dict()
+    current, defaults = cfg.to_dict(), Config().to_dict()
     for key in SHAPE_KEYS:
         section, name = key.split(".")
-        old, new = saved.get(section, {}).get(name), current[section][name]
+        # A key that an older qshard did not save had its default value then.
+        old, new = saved.get(section, {}).get(name, defaults[section][name]), current[section][name]
         if old != new:
             raise QShardError(f"{path}: saved with {key}={old!r}, but this run has {key}={new!r}")
 

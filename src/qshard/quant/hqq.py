@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qshard.quant.matmul import RefetchingMatmul
 from qshard.quant.nf4 import full_storage
 
 BITS = (4, 3, 2)
@@ -155,22 +156,6 @@ def dequantize_hqq(packed: torch.Tensor, scale_zero: torch.Tensor, bits: int, dt
 # The layer.
 
 
-class _HQQMatmul(torch.autograd.Function):
-    """y = x W^T with W dequantized on the fly; backward dequantizes again rather than keep W alive."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: HQQLinear) -> torch.Tensor:
-        ctx.layer = layer
-        return F.linear(x, layer.dequantized_weight(x.dtype))
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ ctx.layer.dequantized_weight(grad_out.dtype)
-        return grad_x, None
-
-
 class HQQLinear(nn.Module):
     """A frozen linear layer stored in HQQ. Parameters (not buffers) so that FSDP2 shards them."""
 
@@ -229,11 +214,11 @@ class HQQLinear(nn.Module):
             getattr(self, name).copy_(tensor)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        # _HQQMatmul saves only the layer and fetches again in backward: offloaded storage needs nothing more.
+        # RefetchingMatmul saves only the layer and fetches again in backward: offloaded storage needs nothing more.
         return dequantize_hqq(*full_storage(self), self.bits, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _HQQMatmul.apply(x, self)
+        y = RefetchingMatmul.apply(x, self)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from bitsandbytes import functional as bnbf
 from torch.distributed.tensor import DTensor
 
+from qshard.quant.matmul import RefetchingMatmul
+
 # The 16 NF4 levels; a plain tensor (not a cached call) so that a compiled graph holds it as a constant.
 _NF4_VALUES = bnbf.get_4bit_type("nf4", device="cpu")
 
@@ -101,24 +103,6 @@ class _NF4Matmul(torch.autograd.Function):
         return grad_x, None, None
 
 
-class _RefetchingMatmul(torch.autograd.Function):
-    """y = x W^T for a layer whose storage lives in host memory: no device tensor is saved for backward,
-    only the layer, which fetches its storage and dequantizes again there (the same cost as `_NF4Matmul`'s
-    re-dequantization, plus the copy from the host that the offload's prefetch hides)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-        ctx.layer = layer
-        return F.linear(x, layer.dequantized_weight(x.dtype))
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ ctx.layer.dequantized_weight(grad_out.dtype)
-        return grad_x, None
-
-
 class NF4Linear(nn.Module):
     """A frozen linear layer stored in NF4. Parameters (not buffers) so that FSDP2 shards them."""
 
@@ -174,7 +158,7 @@ class NF4Linear(nn.Module):
         if self.offloaded is None:
             y = _NF4Matmul.apply(x, self.packed, self.absmax)
         else:  # saving the host tensors would be free, but backward must fetch them again anyway
-            y = _RefetchingMatmul.apply(x, self)
+            y = RefetchingMatmul.apply(x, self)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
