@@ -79,7 +79,11 @@ def other_value(dotted: str, tp) -> tuple[str, object]:
 
 ALL_KEYS = leaves()
 # Options whose other values are valid only with another option set too: those companion settings.
-COMPANIONS = {"quant.bits": {"quant.method": "hqq"}, "parallel.replicate_degree": {"parallel.sharding": "hybrid"}}
+COMPANIONS = {
+    "quant.bits": {"quant.method": "hqq"},
+    "parallel.replicate_degree": {"parallel.sharding": "hybrid"},
+    "parallel.compile_backend": {"parallel.compile": "true"},
+}
 
 
 # ----------------------------------------------------------------------------------------------- defaults
@@ -387,3 +391,17 @@ def test_save_round_trips(tmp_path, argv):
     config_mod.save(cfg, path)
     assert resolve(str(path), []) == cfg
     assert parse("--config", str(path)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"activation_checkpointing": False, "ac_every": 2}, "parallel.ac_every: has no effect"),
+        ({"activation_checkpointing": False, "ac_reentrant": True}, "parallel.ac_reentrant: has no effect"),
+        ({"compile": True, "ac_reentrant": True}, "parallel.ac_reentrant: with parallel.compile"),
+        ({"compile_backend": "aot_eager"}, "parallel.compile_backend: aot_eager has no effect"),
+    ],
+)
+def test_parallel_options_that_would_be_ignored_or_harmful_are_refused(options, message):
+    with pytest.raises(QShardError, match=message):
+        from_dict({"parallel": options}).validate()

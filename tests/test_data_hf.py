@@ -178,3 +178,13 @@ def test_hub_dataset_offline_is_one_clear_error_before_any_weight_is_read(tiny_m
     ], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_split_of_a_plain_file_is_refused(tmp_path):
+    from qshard.data.records import read_raw
+
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "a"}\n')
+    with pytest.raises(QShardError, match=r"train.jsonl: split 'test' asked for .* only hub datasets"):
+        list(read_raw(path, "test"))
+    assert len(list(read_raw(path))) == 1

@@ -15,7 +15,7 @@ from qshard import cli, export
 from qshard.build import build_model
 from qshard.config import Config
 from qshard.errors import QShardError
-from qshard.expand import MARKER, expand_checkpoint
+from qshard.expand import MARKER, PARTIAL_MARKER, expand_checkpoint
 from qshard.loading import Checkpoint
 from qshard.train.run import train
 
@@ -80,6 +80,16 @@ def test_expand_command_and_its_refusals(tiny_models, tmp_path, capsys):
     with pytest.raises(QShardError, match=r"layer 1 has no attention output projection \(o_proj\)"):
         expand_checkpoint(phi, tmp_path / "p", 1)
     assert not (tmp_path / "y").exists() and not (tmp_path / "p").exists() and not (tmp_path / "p.tmp").exists()
+    assert not (tmp_path / "x" / PARTIAL_MARKER).exists()  # a finished expansion does not look partial
+    # A directory at the temporary path that an interrupted expansion did not leave is never deleted.
+    (tmp_path / "w.tmp").mkdir()
+    (tmp_path / "w.tmp" / "mine.txt").write_text("keep")
+    with pytest.raises(QShardError, match=r"w.tmp exists and was not left by an interrupted qshard expand"):
+        expand_checkpoint(source, tmp_path / "w", 1)
+    assert (tmp_path / "w.tmp" / "mine.txt").read_text() == "keep"
+    (tmp_path / "w.tmp" / PARTIAL_MARKER).touch()  # an interrupted run's leftover is replaced
+    expand_checkpoint(source, tmp_path / "w", 1)
+    assert not (tmp_path / "w.tmp").exists() and (tmp_path / "w" / "config.json").is_file()
 
 
 def test_llama_pro_trains_only_the_new_blocks(tiny_models, tmp_path, dist_env):

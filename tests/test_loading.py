@@ -16,7 +16,7 @@ from conftest import SRC
 from safetensors.torch import load_file, save_file
 from test_train import _config
 
-from qshard.build import build_model
+from qshard.build import build_model, local_model_dir
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.loading import Checkpoint
@@ -282,8 +282,9 @@ def _load_worker(rank, world, port, model_dir, broken_dir, result_dir):
             # Under broadcast only rank 0's node has the model directory: here the others are told a path
             # that exists nowhere, so any read they tried (config.json included) would fail.
             directory = f"{result_dir}/only-on-rank-0"
+        cfg.model.path = directory
         try:
-            results[mode] = _nf4_state(build_model(cfg, env, directory)[0])
+            results[mode] = _nf4_state(build_model(cfg, env, local_model_dir(cfg, env))[0])
         except QShardError as exc:
             results[mode] = str(exc)
     torch.save(results, f"{result_dir}/rank{rank}.pt")

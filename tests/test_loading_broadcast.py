@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from test_loading import _free_port
@@ -55,3 +56,17 @@ def test_broadcast_training_without_the_model_directory(tiny_models, tmp_path):
         for part, full in zip(("packed", "absmax"), quantize_nf4(weight, 64), strict=True):
             for rank, piece in enumerate(torch.chunk(full, 2, dim=0)):
                 assert torch.equal(results[rank]["shards"][f"{module}.{part}"], piece), (module, part, rank)
+
+
+def test_any_failure_on_rank0_becomes_one_clear_error_on_every_rank(dist_env):
+    """Not only QShardError: an OSError reading the files on rank 0 must reach the ranks waiting in the
+    broadcast as the same clear error, or they would wait for the collective timeout."""
+    from qshard.errors import QShardError
+    from qshard.loading import from_rank0
+
+    def unreadable():
+        raise PermissionError(13, "Permission denied", "/models/x/config.json")
+
+    with pytest.raises(QShardError, match=r"on rank 0: PermissionError: .*Permission denied.*config.json"):
+        from_rank0(unreadable, dist_env.is_main)
+    assert from_rank0(lambda: {"a": 1}, dist_env.is_main) == {"a": 1}

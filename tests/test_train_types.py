@@ -13,6 +13,7 @@ import torch
 from conftest import cli, cli_env
 
 from qshard import config as config_mod
+from qshard.expand import expand_checkpoint
 from qshard.quant import HQQLinear
 from qshard.train.run import train
 
@@ -37,6 +38,16 @@ def options(tmp_path_factory, tiny_models):
     ]
 
 
+EXPANDED = "<the tiny model expanded by one Llama-Pro block>"
+
+
+@pytest.fixture(scope="module")
+def expanded(tmp_path_factory, tiny_models):
+    out = tmp_path_factory.mktemp("pro") / "expanded"
+    expand_checkpoint(tiny_models("llama"), out, 1)
+    return out
+
+
 def _in_process(options, extra, out, env):
     cfg = config_mod.resolve(None, options + extra + [("train.grad_accum", "2"), ("output.dir", str(out))])
     return train(cfg, env)
@@ -49,6 +60,9 @@ def _losses(out):
 @pytest.mark.parametrize(
     "extra",
     [
+        [("train.train_type", "lora")],
+        [("train.train_type", "full")],
+        [("train.train_type", "llama_pro"), ("model.path", EXPANDED)],
         [("train.train_type", "dora")],
         [("train.train_type", "qdora")],
         [
@@ -58,9 +72,10 @@ def _losses(out):
             ("parallel.quant_sharding", "dtensor"),
         ],
     ],
-    ids=["dora", "qdora-nf4", "qdora-hqq2-dtensor"],
+    ids=["lora", "full", "llama_pro", "dora", "qdora-nf4", "qdora-hqq2-dtensor"],
 )
-def test_world_size_2_trains_and_matches_world_size_1(extra, options, tmp_path, dist_env):
+def test_world_size_2_trains_and_matches_world_size_1(extra, options, expanded, tmp_path, dist_env):
+    extra = [(key, str(expanded) if value == EXPANDED else value) for key, value in extra]
     one = _in_process(options, extra, tmp_path / "ws1", dist_env)
     args = [arg for key, value in options + extra for arg in (f"--{key}", value)]
     two = tmp_path / "ws2"

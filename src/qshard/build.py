@@ -11,7 +11,7 @@ import torch.nn as nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from qshard import loading, models
-from qshard.config import Config
+from qshard.config import DORA_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.models import SwapReport
 from qshard.parallel.distributed import DistEnv
@@ -60,10 +60,17 @@ def files_from_rank0(cfg: Config, env: DistEnv) -> bool:
     return cfg.model.load_mode == "broadcast" and env.world_size > 1 and cfg.model.shape is None
 
 
-def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tuple[nn.Module, SwapReport]:
-    """Every check that can fail on user input runs before the first weight is read."""
+def local_model_dir(cfg: Config, env: DistEnv) -> Path | None:
+    """`model.path`, or under broadcast loading on ranks other than 0, a local directory holding rank 0's
+    config.json and tokenizer files (a collective: call it once per run, on every rank)."""
     if files_from_rank0(cfg, env):
-        model_dir = loading.model_files_from_rank0(model_dir, env.is_main)
+        return loading.model_files_from_rank0(cfg.model.path, env.is_main)
+    return None if cfg.model.path is None else Path(cfg.model.path)
+
+
+def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tuple[nn.Module, SwapReport]:
+    """`model_dir`: a directory this process can read (`local_model_dir`). Every check that can fail on user
+    input runs before the first weight is read."""
     hf_config = model_config(cfg, model_dir)
     model = models.build_skeleton(hf_config, cfg)
     blocks = models.find_blocks(model, cfg.model.block_class)
@@ -97,7 +104,7 @@ def describe(model: nn.Module, report: SwapReport, cfg: Config) -> str:
     if report.quantized:
         parts.append(f"{len(report.quantized)} {cfg.quant.method.upper()} linears")
     if report.adapted:
-        kind = "DoRA" if cfg.train.train_type in ("dora", "qdora") else "LoRA"
+        kind = "DoRA" if cfg.train.train_type in DORA_TRAIN_TYPES else "LoRA"
         parts.append(f"{kind} r={cfg.lora.rank} on {len(report.adapted)} linears")
     parts.append(f"{total_params:,} stored elements")
     return ", ".join(parts)

@@ -82,12 +82,13 @@ def expand_checkpoint(
     sources = layer_sources(layers, new_blocks)
     ckpt = Checkpoint(model_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    _remove_leftover(tmp)
     try:
         plan = _plan(ckpt, layers, sources)
         if max_shard_bytes is None:
             max_shard_bytes = max(p.stat().st_size for p in set(ckpt.files.values())) if ckpt.index else None
-        shutil.rmtree(tmp, ignore_errors=True)  # the leftover of an interrupted run
         tmp.mkdir(parents=True)
+        (tmp / PARTIAL_MARKER).touch()  # says whose directory this is, until the rename below
         _write_config(tmp, raw, sources, layers)
         _check_layers(hf_config, models.load_hf_config(tmp), sources)
         for item in model_dir.iterdir():  # tokenizer, generation config, ...
@@ -99,10 +100,25 @@ def expand_checkpoint(
         raise
     finally:
         ckpt.close()
+    (tmp / PARTIAL_MARKER).unlink()
     if out_dir.exists():
         out_dir.rmdir()  # empty, checked above
     tmp.rename(out_dir)
     return [k for k, (_, new) in enumerate(sources) if new]
+
+
+# Written first into the temporary output directory: only a directory holding it is ours to delete.
+PARTIAL_MARKER = ".qshard-expand-partial"
+
+
+def _remove_leftover(tmp: Path) -> None:
+    """Delete what an interrupted expansion left at `tmp`, and nothing else that may be there."""
+    if not tmp.exists():
+        return
+    if not (tmp / PARTIAL_MARKER).is_file():
+        raise QShardError(f"--output: {tmp} exists and was not left by an interrupted qshard expand; remove or "
+                          "rename it")
+    shutil.rmtree(tmp)
 
 
 def _plan(ckpt: Checkpoint, layers: int, sources: list[tuple[int, bool]]) -> list[_Tensor]:

@@ -10,7 +10,7 @@ import torch
 
 from qshard import checkpoint, export
 from qshard import config as config_mod
-from qshard.build import build_model
+from qshard.build import build_model, local_model_dir
 from qshard.errors import QShardError
 from qshard.parallel.distributed import init_distributed, shutdown
 from qshard.train.run import base_fingerprint, base_model_name
@@ -47,7 +47,7 @@ def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None,
         raise QShardError(f"{ckpt}: a {cfg.train.train_type} run has no adapter; use `qshard export merged`")
     env = init_distributed()
     try:
-        model, report = build_model(cfg, env, cfg.model.path)
+        model, report = build_model(cfg, env, local_model_dir(cfg, env))
         checkpoint.load(ckpt, model, optimizer=None)
         if kind == "adapter":
             tensors = export.gather_lora(model)

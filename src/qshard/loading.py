@@ -418,8 +418,8 @@ class BroadcastSource:
                 ckpt = self._ckpt
                 meta[0] = ("ok", str(ckpt.dir), ckpt.index and str(ckpt.index),
                            {n: (ckpt.shape(n), ckpt.dtype(n), str(ckpt.files[n])) for n in ckpt.names()})
-        except QShardError as exc:
-            meta[0] = ("error", str(exc))
+        except Exception as exc:  # any failure on rank 0 must reach the others, which wait in the broadcast
+            meta[0] = ("error", _one_line(exc))
         dist.broadcast_object_list(meta, src=0)
         if meta[0][0] == "error":
             raise QShardError(meta[0][1])
@@ -459,15 +459,20 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 SHARED_FILE_MAX_BYTES = 256 << 20  # larger non-weight files (an optimizer dump left in the directory) stay
 
 
+def _one_line(exc: Exception) -> str:
+    """A QShardError's own message; anything else (an OSError reading the files, ...) named by its type."""
+    return str(exc) if isinstance(exc, QShardError) else f"on rank 0: {type(exc).__name__}: {exc}"
+
+
 def from_rank0(compute: Callable[[], T], is_main: bool) -> T:
-    """`compute()` run on rank 0 only, its result given to every rank; a QShardError it raises is raised
-    on every rank (a collective: no rank waits forever for a rank 0 that failed)."""
+    """`compute()` run on rank 0 only, its result given to every rank; an error it raises is raised on
+    every rank as a QShardError (a collective: no rank waits forever for a rank 0 that failed)."""
     box: list = [None]
     if is_main:
         try:
             box[0] = ("ok", compute())
-        except QShardError as exc:
-            box[0] = ("error", str(exc))
+        except Exception as exc:
+            box[0] = ("error", _one_line(exc))
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "error":

@@ -75,6 +75,11 @@ def read_raw(path: Path, split: str | None = None) -> Iterator[tuple[str, Any]]:
     kind = file_kind(path)
     if kind == "saved":
         records = read_saved(path, split)
+    elif split is not None:  # accepted and ignored, it would train on the whole file
+        raise QShardError(
+            f"{path}: split {split!r} asked for (a source's split option), but only hub datasets and saved "
+            "datasets directories (save_to_disk) have splits"
+        )
     else:
         records = {"jsonl": _jsonl, "json": read_json, "parquet": _parquet, "csv": _csv, "arrow": read_arrow}[kind](
             path

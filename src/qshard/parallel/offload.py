@@ -56,7 +56,9 @@ class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
-        if tensor.device.type != "cuda" or isinstance(tensor, nn.Parameter):
+        # Model storage saved for backward stays put: parameters, and the DTensor buffers that hold the
+        # NF4/HQQ shards under quant_sharding: dtensor (copying those out and back each step is all cost).
+        if tensor.device.type != "cuda" or isinstance(tensor, (nn.Parameter, DTensor)):
             return tensor
         self.stream.wait_stream(torch.cuda.current_stream())  # the copy must see the finished values
         with torch.cuda.stream(self.stream):

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from qshard import checkpoint, data, demo, export, loading, models
 from qshard import config as config_mod
-from qshard.build import build_model, describe, files_from_rank0, load_tokenizer
+from qshard.build import build_model, describe, files_from_rank0, load_tokenizer, local_model_dir
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.errors import QShardError
@@ -91,7 +91,8 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
             log.info("no %s given: running the embedded demo", "model" if no_model else "data")
         _demo_inputs(cfg, env, out)
 
-    tokenizer = _tokenizer(cfg, env)
+    model_dir = local_model_dir(cfg, env)
+    tokenizer = _tokenizer(cfg, model_dir)
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
     resume = checkpoint.resolve_resume(cfg, out)
     resume_state, fingerprint = None, None
@@ -99,7 +100,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
         resume_state = checkpoint.read_state(resume)
         fingerprint = _base_fingerprint(cfg, env)
         checkpoint.check_compatible(resume, resume_state, cfg, fingerprint)
-    model, report = build_model(cfg, env, cfg.model.path)
+    model, report = build_model(cfg, env, model_dir)
     fingerprint = fingerprint or _base_fingerprint(cfg, env)
     if env.is_main:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
@@ -170,7 +171,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
     return RunResult(out, summary, model)
 
 
-def _tokenizer(cfg: Config, env: DistEnv):
+def _tokenizer(cfg: Config, model_dir: Path | None):
     """The model directory's tokenizer (under broadcast loading, from files rank 0 sent), or for a named
     shape without a directory, the demo tokenizer, whose ids must fit the shape's vocabulary."""
     if cfg.model.path is None:
@@ -185,9 +186,6 @@ def _tokenizer(cfg: Config, env: DistEnv):
                 f"tokenizer's {len(tokenizer)}; give model.path a directory with a tokenizer that fits"
             )
         return tokenizer
-    model_dir = cfg.model.path
-    if files_from_rank0(cfg, env):
-        model_dir = loading.model_files_from_rank0(model_dir, env.is_main)
     models.load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
     return load_tokenizer(model_dir)
 
