@@ -299,7 +299,8 @@ def _store_nf4(module: NF4Linear, weight: torch.Tensor) -> None:
     # Quantized from the stored dtype (fp32, fp16 or bf16) as is: no rounding through bf16 first.
     packed, absmax = quantize_nf4(rows, module.blocksize)
     for param, value in ((module.packed, packed), (module.absmax, absmax)):
-        local = param.to_local() if isinstance(param, DTensor) else param
+        # .view: under FSDP2 the storage is a float carrier of the same bytes (parallel/fsdp.py).
+        local = (param.to_local() if isinstance(param, DTensor) else param).view(value.dtype)
         assert tuple(local.shape) == tuple(value.shape), (local.shape, value.shape)
         local.copy_(value)
 
@@ -311,7 +312,8 @@ def _store_hqq(module: HQQLinear, weight: torch.Tensor) -> None:
         return
     for name, value in module.quantize(rows).items():
         param = getattr(module, name)
-        local = param.to_local() if isinstance(param, DTensor) else param
+        # .view: under FSDP2 the storage is a float carrier of the same bytes (parallel/fsdp.py).
+        local = (param.to_local() if isinstance(param, DTensor) else param).view(value.dtype)
         assert tuple(local.shape) == tuple(value.shape), (local.shape, value.shape)
         local.copy_(value)
 

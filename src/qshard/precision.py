@@ -11,8 +11,9 @@ Always fp32, whatever the mode: the loss (logits are upcast before the log-sum-e
 buffers (non-persistent buffers are never cast: FSDP2's policy casts parameters only, and the skeleton is cast
 parameter by parameter), and the normalization math (transformers' RMSNorm/LayerNorm upcast their input to
 fp32 and only the result is cast back). Norm *weights* are stored like the other weights of their kind: in
-the compute dtype when frozen, in the master dtype when trained (`full`). NF4 codes and scales are integers
-and are never cast.
+the compute dtype when frozen, in the master dtype when trained (`full`). NF4/HQQ codes and scales are never
+cast: the FSDP2 units of blocks that hold them cast nothing (parallel/fsdp.py), so there the adapters'
+master weights are gathered as they are and cast to the compute dtype where they are used.
 """
 
 from __future__ import annotations

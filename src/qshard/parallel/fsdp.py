@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from qshard.config import Config, reshard_after_forward
+from qshard.errors import QShardError
 from qshard.parallel.checkpointing import apply_activation_checkpointing
 from qshard.parallel.compile import compile_blocks
 from qshard.parallel.mesh import local_piece, shard_placements
@@ -16,17 +17,32 @@ from qshard.parallel.offload import offload_policy, offload_quantized_storage
 from qshard.precision import precision
 from qshard.quant import QUANTIZED_LINEARS
 
+# Float dtypes that carry the quantized storage's bytes under FSDP2: codes (uint8) two to a bf16 element,
+# scales (fp32 bits kept as int32) as the fp32 values they are. Two different dtypes in every quantized layer.
+CARRIERS = {torch.uint8: torch.bfloat16, torch.int32: torch.float32}
 
-def fsdp_accepts_integer_params(mesh: DeviceMesh) -> bool:
-    """Whether this torch's FSDP2 can manage a frozen integer parameter (older releases try to make
-    every sharded parameter require grad, which integer tensors cannot). Probed on a meta module."""
-    probe = nn.Module()
-    probe.codes = nn.Parameter(torch.empty(mesh.size(), 2, dtype=torch.uint8, device="meta"), requires_grad=False)
-    try:
-        fully_shard(probe, mesh=mesh)
-    except RuntimeError:
-        return False
-    return True
+
+def carry_storage_in_float(layer: nn.Module) -> None:
+    """Re-register a quantized layer's integer storage (codes, scales) as float parameters viewing the same
+    bytes (`CARRIERS`), before FSDP2 takes the layer; the dequantizers view them back (quant/nf4.py, hqq.py).
+
+    Why: FSDP2 releases before torch 2.12 cannot hold an integer parameter at all (they make every sharded
+    parameter require grad, which integer tensors refuse), and DTensor buffers instead are gathered layer by
+    layer on use, unprefetched. Float carriers are sharded, grouped and prefetched with the rest of the block.
+    Two conditions keep the bytes intact, both arranged in `parallelize`: the block's unit casts nothing (a
+    cast to bf16 would round the fp32 scales and turn NaN-looking code pairs into the canonical NaN), and its
+    all-gather inputs are of mixed dtypes, for which FSDP2 copies them in and out as bytes (a single-dtype
+    bf16 group is copied through fp32 arithmetic on CUDA, which canonicalizes NaNs too)."""
+    for name in layer.STORAGE:
+        param = layer._parameters[name]
+        carrier = CARRIERS[param.dtype]
+        row_bytes = param.shape[-1] * param.element_size()
+        if row_bytes % carrier.itemsize:
+            raise QShardError(
+                f"{type(layer).__name__} {tuple(param.shape)}: a row of its {name} ({row_bytes} bytes) cannot be "
+                f"carried as {carrier} under FSDP2; set parallel.quant_sharding: dtensor"
+            )
+        layer._parameters[name] = nn.Parameter(param.data.view(carrier), requires_grad=False)
 
 
 def shard_as_dtensor_buffers(layer: nn.Module, mesh: DeviceMesh) -> None:
@@ -50,10 +66,10 @@ def compute_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def quant_sharding(cfg: Config, mesh: DeviceMesh) -> str:
-    if cfg.parallel.quant_sharding != "auto":
-        return cfg.parallel.quant_sharding
-    return "fsdp" if fsdp_accepts_integer_params(mesh) else "dtensor"
+def quant_sharding(cfg: Config) -> str:
+    # FSDP2 by default on every torch (its gathers are grouped per block and prefetched); DTensor buffers are
+    # what `parallel.cpu_offload` keeps in pinned host memory a block at a time (parallel/offload.py).
+    return "dtensor" if cfg.parallel.quant_sharding == "dtensor" else "fsdp"
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: Config) -> str:
@@ -61,8 +77,12 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     the root.
     Returns how the quantized storage is sharded ("fsdp" or "dtensor")."""
     mp = precision(cfg).mp_policy()
-    how = quant_sharding(cfg, mesh)
-    if how == "dtensor":
+    how = quant_sharding(cfg)
+    if how == "fsdp":
+        for module in model.modules():
+            if isinstance(module, QUANTIZED_LINEARS):
+                carry_storage_in_float(module)
+    else:
         for module in model.modules():
             if isinstance(module, QUANTIZED_LINEARS):
                 shard_as_dtensor_buffers(module, mesh)
@@ -74,10 +94,15 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     if cfg.parallel.compile:
         compile_blocks(blocks, cfg.parallel.compile_backend)
     offload = offload_policy(cfg)
+    # Blocks whose quantized storage FSDP2 gathers must not be cast (see carry_storage_in_float): their
+    # units gather every parameter in its stored dtype, and the adapters cast their weights to the compute
+    # dtype where they use them (adapters/lora.py, dora.py); frozen weights are stored in it already.
+    uncast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=mp.reduce_dtype)
     for i, block in enumerate(blocks):
         # The last block's weights are needed again at once by backward: keeping them saves an all-gather.
         reshard = reshard_after_forward(cfg) and i < len(blocks) - 1
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+        policy = uncast if how == "fsdp" and any(isinstance(m, QUANTIZED_LINEARS) for m in block.modules()) else mp
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is not None and head.weight is not embed.weight:  # a tied pair must stay in one unit (the root)
         # Units of their own, so neither holds a gathered copy for the whole step: the embedding is needed

@@ -146,6 +146,7 @@ def split_scale_zero(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize_hqq(packed: torch.Tensor, scale_zero: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize_hqq`, on any block of whole rows; computed in fp32, returned in `dtype`."""
+    packed, scale_zero = packed.view(torch.uint8), scale_zero.view(torch.int32)  # from a float carrier
     out_features, n_groups = scale_zero.shape
     codes = unpack_codes(packed, bits).view(out_features, n_groups, -1).float()
     scale, zero = split_scale_zero(scale_zero)
@@ -211,7 +212,7 @@ class HQQLinear(nn.Module):
     def set_weight(self, weight: torch.Tensor) -> None:
         """Quantize a full weight into this (unsharded) layer's storage."""
         for name, tensor in self.quantize(weight).items():
-            getattr(self, name).copy_(tensor)
+            getattr(self, name).view(tensor.dtype).copy_(tensor)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         # RefetchingMatmul saves only the layer and fetches again in backward: offloaded storage needs nothing more.
