@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -85,12 +86,17 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tupl
     how = parallelize(model, blocks, mesh, cfg)
     if report.quantized and env.is_main:
         log.info("%s storage sharded by %s", cfg.quant.method.upper(), "FSDP2" if how == "fsdp"
-                 else "DTensor buffers (this torch's FSDP2 refuses integer parameters)")
+                 else "DTensor buffers")
     buffers = models.computed_buffers(model)
-    model.to_empty(device=env.device)
-    models.restore_buffers(model, buffers)
+    # Under CPU offload FSDP2 wants the shards it manages in host memory (it pins them and copies each unit to
+    # the GPU when gathering it): they are materialized there and the loader writes each rank's rows into them
+    # from the device the weights were quantized on. Buffers (rotary frequencies) are computed with, on the GPU.
+    model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else env.device)
+    models.restore_buffers(model, buffers, env.device)
     loading.load_weights(model, source, env.device)
     loading.init_adapters(model, cfg.train.seed)
+    if cfg.parallel.cpu_offload:
+        models.buffers_to(model, env.device)  # any loaded (persistent) buffer: computed with, on the GPU
     return model, report
 
 

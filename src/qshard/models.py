@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from huggingface_hub.errors import StrictDataclassError
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -288,7 +289,17 @@ def _buffers_only_copy(module: nn.Module, names: list[str]) -> nn.Module:
 
 
 @torch.no_grad()
-def restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    buffers = dict(model.named_buffers())
+def buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Move every plain buffer to `device` (DTensor buffers, the quantized storage, stay where they are sharded)."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and not isinstance(buf, DTensor) and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Put the computed buffers back, on `device` (where the model computes, whatever holds its parameters)."""
     for name, value in saved.items():
-        buffers[name].copy_(value)
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner._buffers[attr] = value.to(device=device, dtype=owner._buffers[attr].dtype)
