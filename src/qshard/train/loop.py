@@ -65,9 +65,10 @@ class Trainer:
         # Summed next-token cross-entropy over trained tokens, in fp32 (chunked over the vocabulary's logits
         # where the architecture allows); the step divides by the global batch's trained-token count.
         self.loss_sum = build_loss(model, t.loss_chunk_tokens)
-        self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device))
+        policy = precision(cfg)
+        self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device), policy.loss_scaling)
         # Loss scaling for fp16_mixed; in every other mode a pass-through with the same interface.
-        self.scaler = precision(cfg).grad_scaler(env.device)
+        self.scaler = policy.grad_scaler(env.device)
         self.activation_offload = activation_offload(cfg, env.device)  # a context factory (or a no-op one)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
         self.progress = Progress(self.total_steps, env.is_main, t.log_every)

@@ -12,7 +12,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from qshard.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, loss_scaling: bool = False
+) -> torch.optim.AdamW:
     """Decay matrices only: norms and biases (1-D) are not decayed, as is usual for transformers."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.ndim >= 2]
@@ -20,8 +22,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    # The fused kernel is one launch per step on CUDA; on CPU the foreach path is the fast one.
-    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    # The fused kernel is one launch per step on CUDA; on CPU the foreach path is the fast one. Under fp16
+    # loss scaling the fused kernel is not usable: ShardedGradScaler hands it a 1-element overflow flag, which
+    # fused AdamW subtracts in place from its 0-d step counters and fails ("output with shape [] doesn't match
+    # the broadcast shape [1]"); the foreach path takes no flag (the scaler skips the step itself).
+    fused = device.type == "cuda" and not loss_scaling
+    impl = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
 
 
