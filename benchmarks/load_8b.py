@@ -6,7 +6,8 @@
   qshard-70b  a 70B-shaped QLoRA model initialized at random (no checkpoint), then one training step
 
 Each line has the wall seconds, the process's peak resident memory (VmHWM) and GPU peak/final allocated
-memory. Usage, from the repository root with src/ on PYTHONPATH:
+memory; qshard's lines also say how the checkpoint was read (`read`: reader threads, bytes of pinned staging
+buffers, piece size; see `qshard.loading.ReadOptions`). Usage, from the repository root with src/ on PYTHONPATH:
 
   python3 benchmarks/load_8b.py --ckpt /tmp/llama3-8b-random [--only qshard-8b,hf-8b,qshard-70b]
 
@@ -60,6 +61,7 @@ def _step(model, seq: int) -> float:
 def run_qshard(args, shape: str | None) -> dict:
     from qshard.build import build_model
     from qshard.config import Config
+    from qshard.loading import ReadOptions
     from qshard.parallel.distributed import init_distributed
 
     env = init_distributed()
@@ -76,6 +78,10 @@ def run_qshard(args, shape: str | None) -> dict:
     result = {"system": f"qshard-{'70b' if shape else '8b'}", "load_s": round(load_s, 2),
               "peak_rss_gib": round(_status("VmHWM") / GiB, 2), "rss_before_gib": round(rss0 / GiB, 2),
               "nf4_modules": len(report.quantized), **_gpu()}
+    if not shape:
+        read = ReadOptions.for_device(env.device)
+        result["read"] = {"threads": read.threads, "staging_mib": read.in_flight_bytes >> 20 if read.staged else 0,
+                          "piece_mib": read.piece_bytes >> 20}
     step_s = _step(model, args.seq)
     result.update(first_step_s=round(step_s, 2), time_to_first_step_s=round(load_s + step_s, 2),
                   peak_rss_after_step_gib=round(_status("VmHWM") / GiB, 2))

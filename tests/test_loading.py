@@ -86,8 +86,12 @@ def test_load_adds_bounded_resident_memory(tmp_path):
 
 
 def _nf4_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to_local().clone() if hasattr(p, "to_local") else p.detach().clone()
-            for n, p in model.named_parameters() if "lora_" not in n}
+    """Every non-adapter parameter's local shard, as raw bytes: under FSDP2 the NF4 storage is a float carrier
+    whose NaN-looking code pairs torch.equal would call unequal to themselves."""
+    def local(p):
+        return p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+    return {n: local(p).contiguous().view(torch.uint8).clone() for n, p in model.named_parameters()
+            if "lora_" not in n}
 
 
 def _as_bin(model_dir, dest, shards: int):
@@ -141,7 +145,8 @@ def test_formats_load_the_same_weights(tiny_models, tmp_path, dist_env):
         weight = Checkpoint(model_dir).read("model.layers.0.mlp.up_proj.weight")
         packed, absmax = quantize_nf4(weight, 64)
         up = model.model.layers[0].mlp.up_proj.base
-        assert torch.equal(up.packed.to_local(), packed) and torch.equal(up.absmax.to_local(), absmax)
+        assert torch.equal(up.packed.to_local().view(torch.uint8), packed)  # bytes of the float carrier
+        assert torch.equal(up.absmax.to_local().view(torch.int32), absmax)
 
 
 def test_bin_checkpoint_refuses_code(tiny_models, tmp_path, dist_env):
@@ -307,3 +312,128 @@ def test_broadcast_load_matches_each_rank_load(tiny_models, tmp_path):
     assert any(not torch.equal(results[0]["each_rank"][n], results[1]["each_rank"][n]) for n in results[0]["each_rank"])
     errors = [r["broken"] for r in results]
     assert errors[0] == errors[1] and "cannot read safetensors file" in errors[0], errors
+
+
+# ------------------------------------------------------------------------------------------- reading ahead
+
+
+def _tiny_sharded(tmp_path):
+    from qshard.random_model import named_config
+
+    return write_random_checkpoint(tmp_path / "sharded", named_config("llama-tiny"), max_shard_bytes=200_000)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# Small pieces and budgets, so that a tiny checkpoint exercises what an 8B one does: tensors read in many pieces
+# by several threads at once, a budget smaller than some tensors, staging buffers reused many times over.
+_READ_OPTIONS = {
+    "pieces": dict(threads=4, in_flight_bytes=64 << 10, piece_bytes=4096),
+    "staged": dict(threads=4, in_flight_bytes=3 * 4096, piece_bytes=4096, staged=True),
+    "one-ahead": dict(threads=1, in_flight_bytes=1, piece_bytes=1 << 30),
+}
+
+
+@pytest.mark.parametrize("how", list(_READ_OPTIONS))
+def test_read_ahead_hands_out_every_tensor_as_stored(tmp_path, monkeypatch, how):
+    """The read-ahead hands out, in plan order, every tensor bit for bit as safetensors' own reader reads it,
+    with several reads in flight at once, and never more bytes ahead than its budget (or one tensor)."""
+    import threading
+    import time
+
+    from qshard.loading import ReadOptions, _ReadAhead
+    from qshard.weight_files import SafetensorsFile
+
+    model_dir = _tiny_sharded(tmp_path)
+    expected = {n: t for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items()}
+    ckpt = Checkpoint(model_dir)
+    names = sorted(ckpt.names(), key=lambda n: (str(ckpt.files[n]), n))[::-1]  # not in file order
+    options = ReadOptions(**_READ_OPTIONS[how])
+
+    lock, running, most = threading.Lock(), [0], [0]
+    read_range = SafetensorsFile.read_range
+
+    def slow_read_range(self, *args):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.001)  # long enough for reads to overlap when they can
+        try:
+            read_range(self, *args)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(SafetensorsFile, "read_range", slow_read_range)
+    with _ReadAhead(ckpt, names, torch.device("cpu"), options) as reads:
+        pieces = sum(len(job.pieces) for job in reads.jobs)
+        for i, name in enumerate(names):
+            got = reads.take(i)
+            assert got.dtype == expected[name].dtype and got.shape == expected[name].shape, name
+            assert torch.equal(_bytes(got), _bytes(expected[name])), name
+        largest = max(t.nbytes for t in expected.values())
+        assert reads.peak_ahead <= max(options.in_flight_bytes, largest)
+    if how == "one-ahead":
+        assert pieces == len(names) and most[0] == 1
+    else:
+        assert pieces > 4 * len(names) and most[0] > 1  # large tensors in several pieces, read at once
+    if how == "staged":
+        assert reads.peak_ahead == 0 and most[0] <= 3  # everything went through the three staging buffers
+    assert not [t for t in threading.enumerate() if t.name.startswith("qshard-read")]
+
+
+def _per_expert_mixtral(tiny_models, tmp_path):
+    from test_loading_moe import FAMILIES, _per_expert_copy
+
+    return _per_expert_copy(tiny_models("mixtral", **FAMILIES["mixtral"][0]), tmp_path / "per-expert", "mixtral")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors-shards", "per-expert-moe", "bin-shards"])
+def test_threaded_load_is_bit_identical_to_sequential_reads(fmt, tiny_models, tmp_path, dist_env, monkeypatch):
+    """A model loaded by the read-ahead (default options, and tiny staging buffers reused many times over) holds
+    exactly what reading each tensor whole, one after the other on this thread, gives: for sharded safetensors,
+    for per-expert MoE tensors stacked into fused ones (read as consecutive pieces of several tensors), and for
+    legacy .bin shards (read whole, on reader threads)."""
+    from qshard import loading
+    from qshard.loading import ReadOptions, load_plan
+
+    model_dir = {"safetensors-shards": lambda: _tiny_sharded(tmp_path),
+                 "per-expert-moe": lambda: _per_expert_mixtral(tiny_models, tmp_path),
+                 "bin-shards": lambda: _as_bin(tiny_models("llama"), tmp_path / "bins", 3)}[fmt]()
+    threaded = _nf4_state(build_model(Config(), dist_env, model_dir)[0])
+
+    monkeypatch.setattr(ReadOptions, "for_device", staticmethod(lambda device: ReadOptions(**_READ_OPTIONS["staged"])))
+    staged = _nf4_state(build_model(Config(), dist_env, model_dir)[0])
+
+    def sequential(model, source, device, options=None):
+        for name, store in load_plan(model):
+            with torch.no_grad():
+                store(source.read(name).to(device))
+
+    monkeypatch.setattr(loading, "load_weights", sequential)
+    reference = _nf4_state(build_model(Config(), dist_env, model_dir)[0])
+    assert threaded.keys() == staged.keys() == reference.keys()
+    for name in reference:
+        assert torch.equal(_bytes(threaded[name]), _bytes(reference[name])), name
+        assert torch.equal(_bytes(staged[name]), _bytes(reference[name])), name
+
+
+@pytest.mark.parametrize("how", ["pieces", "staged"])
+def test_file_cut_short_during_the_load(tmp_path, dist_env, how):
+    """A shard cut short after its header was checked: the reader thread's error reaches the caller, naming the
+    file and the tensor, and no reader thread is left behind."""
+    import threading
+
+    from qshard.loading import ReadOptions, check_checkpoint, load_weights
+
+    model_dir = _tiny_sharded(tmp_path)
+    model = build_model(Config(), dist_env, model_dir)[0]
+    ckpt = Checkpoint(model_dir)
+    check_checkpoint(ckpt, model)
+    victim = max(model_dir.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-5000])
+    with pytest.raises(QShardError, match=rf"{victim}: cannot read safetensors file \(tensor '.*': file ended while"):
+        load_weights(model, ckpt, torch.device("cpu"), ReadOptions(**_READ_OPTIONS[how]))
+    assert not [t for t in threading.enumerate() if t.name.startswith("qshard-read")]

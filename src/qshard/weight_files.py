@@ -2,8 +2,9 @@
 
 A memory-mapped file's touched pages count as the process's resident memory until it is unmapped, so
 streaming a whole checkpoint through a mapping costs as much RSS as the checkpoint (16 GiB for an 8B
-model). Here each tensor is read with plain file reads into a buffer of its own: the file's pages stay in
-the kernel's page cache (shared, reclaimable, not ours) and the process holds one tensor at a time.
+model). Here each tensor (or a piece of it) is read with plain file reads into a buffer the caller owns: the
+file's pages stay in the kernel's page cache (shared, reclaimable, not ours) and the process holds only the
+few tensors or pieces it is reading.
 
 safetensors layout: an 8-byte little-endian header length N, N bytes of JSON naming each tensor's
 dtype, shape and [begin, end) byte offsets into the data that follows the header.
@@ -86,20 +87,29 @@ class SafetensorsFile:
     def read(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
         out = torch.empty(info.shape, dtype=info.dtype)
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        self.read_range(name, 0, memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        return out
+
+    def read_range(self, name: str, start: int, out) -> None:
+        """Bytes [start, start + len(out)) of tensor `name` into the writable buffer `out`: a piece of a tensor,
+        so that several threads can read one large tensor at once, or so that it lands straight in a reused
+        (pinned) staging buffer. Each call opens the file itself, so calls from several threads are safe."""
+        info = self.tensors[name]
+        view = memoryview(out).cast("B")
+        if start < 0 or start + len(view) > info.nbytes:
+            raise ValueError(f"bytes [{start}, {start + len(view)}) are outside tensor '{name}' ({info.nbytes} bytes)")
         try:
-            # Unbuffered: straight from the page cache into the tensor, no intermediate copy.
+            # Unbuffered: straight from the page cache into `out`, no intermediate copy (and without the GIL).
             with open(self.path, "rb", buffering=0) as f:
-                f.seek(info.offset)
+                f.seek(info.offset + start)
                 done = 0
-                while done < info.nbytes:
+                while done < len(view):
                     n = f.readinto(view[done:])
                     if not n:
                         self._fail("file ended while reading (truncated since it was opened?)", name)
                     done += n
         except OSError as exc:
             self._fail(str(exc), name)
-        return out
 
 
 class TorchBinFile:
