@@ -6,7 +6,8 @@
 #     (benchmarks/allgather_bytes.py: counted from the collectives issued, not estimated).
 # Ends with a short table. Usage: benchmarks/scaling_8b.sh OUT
 # Environment: STEPS (10), WARMUP (steps left out of the medians, 3: compilation), COMPILE (true),
-#   BYTES (1; 0 skips the measurement), CKPT (a model directory; default: --model.shape llama3-8b, random
+#   BYTES (1; 0 skips the measurement), LOSSES (1; 0 skips the gpu1-accum2 run and the loss comparison),
+#   CKPT (a model directory; default: --model.shape llama3-8b, random
 #   weights generated on the GPU, the same values for any GPU count, so no checkpoint has to be written),
 #   SHAPE (llama3-8b) and SEQ (2048): another named shape or length (llama-tiny and 64 check the script on CPU).
 set -euo pipefail
@@ -34,7 +35,9 @@ run() {
 }
 run gpu1 --nproc 1
 run gpu2 --nproc 2
-run gpu1-accum2 --nproc 1 --grad-accum 2  # gpu2's global batch on one GPU: the same examples per step
+if [ "${LOSSES:-1}" = 1 ]; then
+  run gpu1-accum2 --nproc 1 --grad-accum 2  # gpu2's global batch on one GPU: the same examples per step
+fi
 if [ "${BYTES:-1}" = 1 ]; then
   # lora (bf16 base), qlora with NF4 sharded by FSDP2, and by DTensor buffers; eager blocks: compilation
   # changes no collective, and the counting dispatch mode is meant for eager ops.
@@ -48,16 +51,18 @@ import json, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
-s = {n: json.loads((out / f"{n}.summary.json").read_text()) for n in ("gpu1", "gpu2", "gpu1-accum2")}
+s = {n: json.loads((out / f"{n}.summary.json").read_text()) for n in ("gpu1", "gpu2", "gpu1-accum2")
+     if (out / f"{n}.summary.json").is_file()}
 per_gpu1, per_gpu2 = s["gpu1"]["tokens_per_s"], s["gpu2"]["tokens_per_s"] / 2
 print("\n| measure | value |\n|---|---|")
 print(f"| tok/s, 1 GPU | {per_gpu1:,.0f} |")
 print(f"| tok/s per GPU, 2 GPUs | {per_gpu2:,.0f} (all: {s['gpu2']['tokens_per_s']:,.0f}) |")
 print(f"| scaling efficiency 1 -> 2 GPUs | {per_gpu2 / per_gpu1:.1%} (target 90%) |")
 print(f"| peak allocated GiB per GPU, 1 / 2 GPUs | {s['gpu1']['peak_alloc_gib']:.2f} / {s['gpu2']['peak_alloc_gib']:.2f} |")
-a, b = s["gpu2"]["losses"], s["gpu1-accum2"]["losses"]
-print(f"| first losses, 2 GPUs / 1 GPU x accum 2 | {', '.join(f'{x:.4f}/{y:.4f}' for x, y in zip(a[:4], b[:4]))} |")
-print(f"| largest loss difference, all {len(a)} steps | {max(abs(x - y) for x, y in zip(a, b)):.4f} |")
+if "gpu1-accum2" in s:
+    a, b = s["gpu2"]["losses"], s["gpu1-accum2"]["losses"]
+    print(f"| first losses, 2 GPUs / 1 GPU x accum 2 | {', '.join(f'{x:.4f}/{y:.4f}' for x, y in zip(a[:4], b[:4]))} |")
+    print(f"| largest loss difference, all {len(a)} steps | {max(abs(x - y) for x, y in zip(a, b)):.4f} |")
 path = out / "allgather.json"
 if path.is_file():
     for r in json.loads(path.read_text())["results"]:

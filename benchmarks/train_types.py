@@ -31,6 +31,10 @@ TYPES = {
     "dora": ["--train-type", "dora"],
     "full-bf16": ["--train-type", "full", "--train.precision", "bf16"],
     "llama_pro": ["--train-type", "llama_pro"],
+    # Precision and offload modes of the default type (not train types, but the same table answers for them).
+    "qlora-fp16": ["--train-type", "qlora", "--train.precision", "fp16_mixed"],
+    "qlora-act-offload": ["--train-type", "qlora", "--parallel.activation_offload", "true"],
+    "qlora-cpu-offload": ["--train-type", "qlora", "--parallel.cpu_offload", "true"],
 }
 
 
