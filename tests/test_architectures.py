@@ -13,6 +13,10 @@ from qshard.errors import QShardError
 from qshard.quant import NF4Experts, NF4Linear
 from qshard.train.run import train
 
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
 MOE = dict(num_experts_per_tok=2, intermediate_size=128)
 ARCHITECTURES = {
     "llama3-rope-scaling": ("llama", dict(rope_parameters=dict(
@@ -64,10 +68,11 @@ def test_experts_are_quantized_per_expert(tiny_models, dist_env):
     for e in range(stored.shape[0]):
         packed, absmax = quantize_nf4(stored[e], 64)
         rows = slice(e * stored.shape[1], (e + 1) * stored.shape[1])
-        # As integers: FSDP2 holds the storage as float carriers of the same bytes (parallel/fsdp.py).
-        assert torch.equal(layer.down_proj.packed.to_local().view(torch.uint8)[rows], packed)
-        assert torch.equal(layer.down_proj.absmax.to_local().view(torch.int32)[rows], absmax)
-    weight = dequantize_nf4(layer.down_proj.packed.to_local(), layer.down_proj.absmax.to_local(), torch.float32)
+        # As integers: the storage is held as float carriers of the same bytes (parallel/fsdp.py); on one
+        # device as plain tensors (no FSDP2 unit on the blocks), elsewhere as DTensor shards.
+        assert torch.equal(_local(layer.down_proj.packed).view(torch.uint8)[rows], packed)
+        assert torch.equal(_local(layer.down_proj.absmax).view(torch.int32)[rows], absmax)
+    weight = dequantize_nf4(_local(layer.down_proj.packed), _local(layer.down_proj.absmax), torch.float32)
     assert (weight.view(stored.shape) - stored.float()).abs().max() < 0.2 * stored.float().abs().max()
 
 

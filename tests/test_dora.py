@@ -189,7 +189,8 @@ def test_tiny_llama_matches_peft_then_exports_and_restores(train_type, quant, ti
     twin_loss, twin_grads = _loss_and_grads(twin, ids, twin_names)
     torch.testing.assert_close(loss, twin_loss, rtol=1e-5, atol=1e-6)
     for name in ours_names:
-        torch.testing.assert_close(grads[name].full_tensor(), twin_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        grad = grads[name].full_tensor() if hasattr(grads[name], "full_tensor") else grads[name]  # QDoRA: in place
+        torch.testing.assert_close(grad, twin_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     with torch.no_grad():
         ours = model(input_ids=ids, use_cache=False).logits
         theirs = twin(input_ids=ids).logits

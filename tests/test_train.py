@@ -123,6 +123,33 @@ def test_qlora_dtypes(tiny_models, tmp_path, dist_env):
             assert not p.requires_grad and p.dtype == torch.bfloat16, name
 
 
+def test_one_device_blocks_have_no_fsdp_units(tiny_models, dist_env):
+    """World size 1: quantized blocks are used in place (no FSDP2 unit, plain parameters: no one-rank gathers
+    and copies); the embedding, head and root stay units. With a bf16 base (a block whose unit casts the fp32
+    adapters) or under CPU offload (FSDP2 moves the storage) the blocks keep their units."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from qshard.build import build_model
+    from qshard.config import Config
+
+    def built(**parallel):
+        cfg = Config()
+        cfg.train.train_type = parallel.pop("train_type", "qlora")
+        for key, value in parallel.items():
+            setattr(cfg.parallel, key, value)
+        return build_model(cfg.validate(), dist_env, tiny_models("llama"))[0]
+
+    model = built()
+    block = model.model.layers[0]
+    assert not isinstance(block, FSDPModule) and isinstance(model, FSDPModule)
+    assert isinstance(model.get_input_embeddings(), FSDPModule)
+    assert not any(isinstance(p, DTensor) for p in block.parameters())
+    assert isinstance(model.get_input_embeddings().weight, DTensor)
+    for model in (built(train_type="lora"), built(cpu_offload=True)):
+        assert all(isinstance(b, FSDPModule) for b in model.model.layers)
+
+
 def test_embedded_demo_end_to_end(tmp_path):
     """`qshard train` with no model and no data: the shipped demo, whose held-out loss must fall."""
     out = tmp_path / "demo"

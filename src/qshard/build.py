@@ -85,8 +85,9 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tupl
     mesh = build_mesh(cfg, env)
     how = parallelize(model, blocks, mesh, cfg)
     if report.quantized and env.is_main:
-        log.info("%s storage sharded by %s", cfg.quant.method.upper(), "FSDP2" if how == "fsdp"
-                 else "DTensor buffers")
+        where = {"fsdp": "sharded by FSDP2", "dtensor": "sharded by DTensor buffers", "in_place": "used in place "
+                 "(one device: the blocks that hold it have no FSDP2 units)"}[how]
+        log.info("%s storage %s", cfg.quant.method.upper(), where)
     buffers = models.computed_buffers(model)
     # Under CPU offload FSDP2 wants the shards it manages in host memory (it pins them and copies each unit to
     # the GPU when gathering it): they are materialized there and the loader writes each rank's rows into them
