@@ -114,10 +114,18 @@ def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path):
     assert proc.returncode == 0, proc.stderr
     one = tmp_path / "ws1"
     resumed = _run(_args(tiny_models("llama"), one, "--resume", str(two / "checkpoints" / "step-00000012"),
-                         "--lora.dropout", "0"))
+                         "--lora.dropout", "0", "--save-every", "6"))
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 12" in resumed.stderr
     torch.testing.assert_close(torch.tensor(_losses(one)), torch.tensor(_losses(two)[12:]), rtol=1e-5, atol=1e-5)
+    # And back: world size 1 keeps the quantized blocks' LoRA weights as plain tensors (no FSDP2 unit), which
+    # 2 ranks read back as their DTensor shards.
+    again = tmp_path / "ws2-again"
+    proc = _run(_args(tiny_models("llama"), again, "--nproc", "2", "--batch-size", "1", "--lora.dropout", "0",
+                      "--resume", str(one / "checkpoints" / "step-00000018")))
+    assert proc.returncode == 0, proc.stderr
+    assert "at step 18" in proc.stderr
+    torch.testing.assert_close(torch.tensor(_losses(again)), torch.tensor(_losses(two)[18:]), rtol=1e-5, atol=1e-5)
 
 
 def test_exported_adapter_and_merged_model(uninterrupted, tiny_models, tmp_path):
