@@ -26,9 +26,10 @@ def carry_storage_in_float(layer: nn.Module) -> None:
     """Re-register a quantized layer's integer storage (codes, scales) as float parameters viewing the same
     bytes (`CARRIERS`), before FSDP2 takes the layer; the dequantizers view them back (quant/nf4.py, hqq.py).
 
-    Why: FSDP2 releases before torch 2.12 cannot hold an integer parameter at all (they make every sharded
-    parameter require grad, which integer tensors refuse), and DTensor buffers instead are gathered layer by
-    layer on use, unprefetched. Float carriers are sharded, grouped and prefetched with the rest of the block.
+    Why: some FSDP2 releases cannot hold an integer parameter at all (torch 2.11's, on the GPU machine, makes
+    every sharded parameter require grad, which integer tensors refuse; 2.13's accepts them), and DTensor
+    buffers instead are gathered layer by layer on use, unprefetched. Float carriers are sharded, grouped and
+    prefetched with the rest of the block.
     Two conditions keep the bytes intact, both arranged in `parallelize`: the block's unit casts nothing (a
     cast to bf16 would round the fp32 scales and turn NaN-looking code pairs into the canonical NaN), and its
     all-gather inputs are of mixed dtypes, for which FSDP2 copies them in and out as bytes (a single-dtype
@@ -67,8 +68,9 @@ def compute_device(mesh: DeviceMesh) -> torch.device:
 
 
 def quant_sharding(cfg: Config) -> str:
-    # FSDP2 by default on every torch (its gathers are grouped per block and prefetched); DTensor buffers are
-    # what `parallel.cpu_offload` keeps in pinned host memory a block at a time (parallel/offload.py).
+    # FSDP2 by default on every torch (its gathers are grouped per block and prefetched). DTensor buffers only
+    # when asked for: gathered layer by layer, and under `parallel.cpu_offload` kept in pinned host memory by
+    # parallel/offload.py (faster than FSDP2's offload on one GPU, slower on two: docs/benchmarks.md).
     return "dtensor" if cfg.parallel.quant_sharding == "dtensor" else "fsdp"
 
 
