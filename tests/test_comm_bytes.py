@@ -68,6 +68,9 @@ def test_nf4_block_weights_are_gathered_as_4bit_codes_at_a_quarter_of_bf16(measu
                      (res["qlora:dtensor"], (".packed:uint8", ".absmax:int32"))):
         assert len(r["base_tensors"]) == 2 * LAYERS * LINEARS
         assert all(t.endswith(kinds) for t in r["base_tensors"]), r["base_tensors"]
+    # The DTensor buffers gather integers only: no float byte of a block linear's base travels there.
+    dtensor = res["qlora:dtensor"]
+    assert part_bytes(dtensor, "blocks", "base", "bfloat16") == part_bytes(dtensor, "blocks", "base", "float32") == 0
 
     # Norms, embedding and head are the same in both runs: gathered alike, in bf16. The adapters too, except
     # that a block holding FSDP2-sharded NF4 casts nothing, so they travel as their fp32 masters: twice the bytes.

@@ -470,7 +470,7 @@ class _StagingSlots:
         self._free.clear()
         if self._cuda and hasattr(torch._C, "_host_emptyCache"):
             # torch keeps freed pinned memory cached, and resident, once the events it records on freeing it
-            # are done: let them be, then give the memory back (the load is over).
+            # (just now, after the first synchronize) are done: wait for those too, then give the memory back.
             torch.cuda.current_stream(self.device).synchronize()
             torch._C._host_emptyCache()
 
