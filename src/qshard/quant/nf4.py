@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from qshard.quant.matmul import RefetchingMatmul
 
-# The 16 NF4 levels; a plain tensor (not a cached call) so that a compiled graph holds it as a constant.
+# The 16 NF4 levels (bitsandbytes' table, as fp32 values).
 _NF4_VALUES = bnbf.get_4bit_type("nf4", device="cpu")
+_NF4_LEVELS = tuple(_NF4_VALUES.tolist())  # exact: each fp32 value is a Python float
 
 
 def quantize_nf4(weight: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +57,11 @@ def dequantize_nf4_torch(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype:
     out_features, half_in = packed.shape
     n_blocks = absmax_bits.shape[1]
     codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(out_features, n_blocks, -1)
-    values = _NF4_VALUES.to(packed.device)[codes.long()] * absmax_bits.view(torch.float32).unsqueeze(-1)
+    # The table is built inside the graph from constants, so the compiler keeps it on the device. Moving a
+    # host tensor there instead (`_NF4_VALUES.to(device)`) was a blocking copy in every call: 64 host-device
+    # synchronizations per 8B step, each stopping the host from queueing work ahead of the GPU.
+    table = torch.tensor(_NF4_LEVELS, dtype=torch.float32, device=packed.device)
+    values = table[codes.long()] * absmax_bits.view(torch.float32).unsqueeze(-1)
     return values.view(out_features, half_in * 2).to(dtype)
 
 
