@@ -40,7 +40,7 @@ def tiny_models(tmp_path_factory):
         key = model_type + repr(sorted(overrides.items()))
         if key not in cache:
             dest = tmp_path_factory.mktemp(f"tiny-{model_type}")
-            cache[key] = write_tiny_model(dest, model_type, num_hidden_layers=2, **overrides)
+            cache[key] = write_tiny_model(dest, model_type, **{"num_hidden_layers": 2, **overrides})
         return cache[key]
 
     return get

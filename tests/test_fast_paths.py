@@ -113,3 +113,97 @@ def test_compiled_blocks_train_like_eager_blocks(tmp_path, tiny_models, backend)
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     assert len(eager) == 3
     assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def _kept_activation_bytes(model, batch) -> int:
+    """Bytes that autograd keeps from one forward for backward, parameters (and views of them) not counted."""
+    params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in model.parameters()}
+    kept = 0
+
+    def pack(t):
+        nonlocal kept
+        if t.untyped_storage().data_ptr() not in params:
+            kept += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch, use_cache=False)
+    return kept
+
+
+def _tiny_qlora(dist_env, model_dir, **parallel):
+    cfg = Config()
+    cfg.lora.rank = 8
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    model, _ = build_model(cfg.validate(), dist_env, model_dir)
+    model.train()
+    return model
+
+
+def test_compiled_blocks_checkpoint_inside_their_graph(dist_env, tiny_models):
+    """Compiled blocks are checkpointed inside their graph (parallel/checkpointing.py: traced_checkpoint) and
+    keep no more for backward than blocks checkpointed by hooks around an eager forward; without any
+    checkpointing they keep many times more."""
+    model_dir = tiny_models("llama", num_hidden_layers=4, hidden_size=256, intermediate_size=1024)
+    batch = {"input_ids": torch.randint(3, 200, (1, 128), generator=torch.Generator().manual_seed(0))}
+    kept = {}
+    for name, parallel in {
+        "eager, hooks": {},
+        "compiled, traced": {"compile": True, "compile_backend": "aot_eager"},
+        "compiled, none": {"compile": True, "compile_backend": "aot_eager", "activation_checkpointing": False},
+    }.items():
+        try:
+            kept[name] = _kept_activation_bytes(_tiny_qlora(dist_env, model_dir, **parallel), batch)
+        finally:
+            torch._dynamo.reset()
+    assert kept["compiled, traced"] <= kept["eager, hooks"] * 1.2, kept
+    assert kept["compiled, traced"] * 5 < kept["compiled, none"], kept
+
+
+def test_compiled_checkpointed_blocks_reuse_their_dropout_masks(dist_env, tiny_models):
+    """LoRA dropout in a compiled, checkpointed block: backward must use the masks forward drew, not draw new
+    ones when it recomputes the block. Same seed, same gradients as the compiled block without checkpointing.
+    aot_eager draws from torch's generator in the same order in both graphs; inductor draws its own way per
+    graph, so there the two graphs' masks would differ anyway (not checked with inductor)."""
+    model_dir = tiny_models("llama")
+    batch = {"input_ids": torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))}
+    grads = []
+    for checkpointing in (True, False):
+        cfg = Config()
+        cfg.lora.rank, cfg.lora.dropout = 8, 0.5
+        cfg.parallel.compile, cfg.parallel.compile_backend = True, "aot_eager"
+        cfg.parallel.activation_checkpointing = checkpointing
+        torch.manual_seed(0)
+        model, _ = build_model(cfg.validate(), dist_env, model_dir)
+        model.train()
+        with torch.no_grad():  # B starts at zero, which would hide A's gradient and any wrong mask in it
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(7)
+        try:
+            model(**batch, use_cache=False).logits.float().square().mean().backward()
+        finally:
+            torch._dynamo.reset()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if "lora_A" in n})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_only_dropout_with_a_nonzero_rate_counts_as_random():
+    """What the traced checkpoint keeps rather than recomputes: ops that draw random numbers. Attention can
+    drop out, but with dropout_p 0 (most models in training) it is deterministic and cheaper recomputed."""
+    from qshard.parallel.checkpointing import _draws_random_numbers
+
+    q = torch.randn(1, 2, 8, 4)
+    aten = torch.ops.aten
+    assert _draws_random_numbers(aten.native_dropout.default, (q, 0.1, True), {})
+    assert not _draws_random_numbers(aten.native_dropout.default, (q, 0.0, True), {})
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert not _draws_random_numbers(flash, (q, q, q), {"dropout_p": 0.0, "is_causal": True})
+    assert _draws_random_numbers(flash, (q, q, q, 0.2), {})
+    assert not _draws_random_numbers(aten.mm.default, (q[0, 0], q[0, 0].T), {})
+    assert _draws_random_numbers(aten.rand_like.default, (q,), {})
+

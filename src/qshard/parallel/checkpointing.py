@@ -6,15 +6,21 @@ the block's forward wrapped; checkpoint_wrapper would do it with a wrapper modul
 parameter, so the block's own transformers mechanism (GradientCheckpointingLayer: a flag and a checkpoint
 function per layer) is used instead. It wraps `forward`, not `__call__`, so FSDP2's hooks stay outside the
 checkpointed region and the recompute does not gather weights twice.
+
+Compiled blocks (parallel.compile) are checkpointed inside their graph instead (`traced_checkpoint`): the
+compiler then builds one backward graph per block that recomputes only what backward needs, under a policy
+that recomputes every op (random ones excepted), so the block keeps no more than its inputs.
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from qshard.config import ParallelConfig
@@ -27,7 +33,9 @@ def checkpointed_blocks(blocks: list[nn.Module], p: ParallelConfig) -> list[nn.M
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig) -> None:
-    chosen = checkpointed_blocks(blocks, p)
+    """Checkpoint the chosen blocks with hooks around their forward. Not for compiled blocks: compile_blocks
+    traces the checkpoint into their graphs (`traced_checkpoint`)."""
+    chosen = [] if p.compile else checkpointed_blocks(blocks, p)
     if not chosen:
         return
     if not p.ac_reentrant:
@@ -47,3 +55,41 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], p:
     # A reentrant checkpoint computes parameter gradients only if one of its inputs requires grad; the
     # first block's input comes from frozen embeddings (LoRA, QLoRA), so make it require grad.
     model.enable_input_require_grads()
+
+
+def _draws_random_numbers(op, args, kwargs) -> bool:
+    """Whether this call of `op` is random. Ops that can be (dropout, attention with dropout) are tagged as
+    seeded; they are random only when their dropout probability is non-zero: attention in training has
+    dropout_p 0.0 in most models and is then deterministic, so cheaper recomputed than kept."""
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value)
+            return value != 0
+    return True
+
+
+def _recompute_all_but_random(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    # Random draws keep their output: recomputed, they would draw another dropout mask in backward.
+    return CheckpointPolicy.MUST_SAVE if _draws_random_numbers(op, args, kwargs) else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def traced_checkpoint(forward):
+    """`forward` checkpointed in a form the compiler traces into the block's graph.
+
+    Why inside the graph: with the checkpoint around a compiled forward, backward re-runs that whole graph
+    (the down projection's matmul too, whose output only the residual sum needs) and then a second graph for
+    the gradients, and the host issues both. Traced, backward is one graph that recomputes just the
+    tensors the gradients use, with each quantized weight dequantized once. Measured on an H200: see
+    docs/benchmarks.md, 2026-12-01 (speed).
+    Why every op is forced to recompute: a plain checkpoint only marks ops as preferably recomputed, and
+    the compiler's partitioner then kept most of each block's activations for backward (28 GiB peak against
+    10.6 for the 8B shape at seq 2,048)."""
+    context = functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_random)
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+    return checkpointed

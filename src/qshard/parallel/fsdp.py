@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from qshard.config import Config, reshard_after_forward
 from qshard.errors import QShardError
-from qshard.parallel.checkpointing import apply_activation_checkpointing
+from qshard.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from qshard.parallel.compile import compile_blocks
 from qshard.parallel.mesh import local_piece, shard_placements
 from qshard.parallel.offload import offload_policy, offload_quantized_storage
@@ -80,9 +80,15 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     Returns how the quantized storage is held: "fsdp", "dtensor", or "in_place" (see blocks_in_place)."""
     mp = precision(cfg).mp_policy()
     how = quant_sharding(cfg)
+    in_place_blocks = blocks if how == "fsdp" and blocks_in_place(mesh, cfg) else []
     if how == "fsdp":
+        # Only what an FSDP2 unit will hold needs a float carrier. Storage used in place keeps its integer
+        # dtypes: a compiled graph that views the fp32 scale carrier back as int32 and again as fp32 (the
+        # views fold away) fails the compiler's partitioner when the checkpoint is traced into the graph
+        # (torch 2.13: "... was invalid, but is output").
+        kept = {id(m) for b in in_place_blocks for m in b.modules()}
         for module in model.modules():
-            if isinstance(module, QUANTIZED_LINEARS):
+            if isinstance(module, QUANTIZED_LINEARS) and id(module) not in kept:
                 carry_storage_in_float(module)
     else:
         for module in model.modules():
@@ -94,7 +100,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
             offload_quantized_storage(model, blocks, compute_device(mesh))
     apply_activation_checkpointing(model, blocks, cfg.parallel)
     if cfg.parallel.compile:
-        compile_blocks(blocks, cfg.parallel.compile_backend)
+        compile_blocks(blocks, cfg.parallel.compile_backend, checkpointed_blocks(blocks, cfg.parallel))
     offload = offload_policy(cfg)
     # Blocks whose quantized storage FSDP2 gathers must not be cast (see carry_storage_in_float): their
     # units gather every parameter in its stored dtype, and the adapters cast their weights to the compute
@@ -103,7 +109,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     in_place = set()  # parameters no unit manages (see blocks_in_place)
     for i, block in enumerate(blocks):
         quantized = how == "fsdp" and any(isinstance(m, QUANTIZED_LINEARS) for m in block.modules())
-        if quantized and blocks_in_place(mesh, cfg):
+        if quantized and in_place_blocks:
             in_place.update(block.parameters())
             continue
         # The last block's weights are needed again at once by backward: keeping them saves an all-gather.
