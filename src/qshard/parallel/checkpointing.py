@@ -7,9 +7,10 @@ parameter, so the block's own transformers mechanism (GradientCheckpointingLayer
 function per layer) is used instead. It wraps `forward`, not `__call__`, so FSDP2's hooks stay outside the
 checkpointed region and the recompute does not gather weights twice.
 
-Compiled blocks (parallel.compile) are checkpointed inside their graph instead (`traced_checkpoint`): the
-compiler then builds one backward graph per block that recomputes only what backward needs, under a policy
-that recomputes every op (random ones excepted), so the block keeps no more than its inputs.
+Compiled blocks that no FSDP2 unit holds (one device: parallel/fsdp.py, blocks_in_place) are checkpointed
+inside their graph instead (`traced_checkpoint`): the compiler then builds one backward graph per block that
+recomputes only what backward needs, under a policy that recomputes every op (random ones excepted), so
+the block keeps no more than its inputs.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ def checkpointed_blocks(blocks: list[nn.Module], p: ParallelConfig) -> list[nn.M
     return blocks[:: p.ac_every] if p.activation_checkpointing else []
 
 
-def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig) -> None:
-    """Checkpoint the chosen blocks with hooks around their forward. Not for compiled blocks: compile_blocks
-    traces the checkpoint into their graphs (`traced_checkpoint`)."""
-    chosen = [] if p.compile else checkpointed_blocks(blocks, p)
+def apply_activation_checkpointing(
+    model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, traced: list[nn.Module] = ()
+) -> None:
+    """Checkpoint the chosen blocks with hooks around their forward, except those in `traced`, which
+    compile_blocks checkpoints inside their compiled graphs (`traced_checkpoint`)."""
+    skip = {id(b) for b in traced}
+    chosen = [b for b in checkpointed_blocks(blocks, p) if id(b) not in skip]
     if not chosen:
         return
     if not p.ac_reentrant:

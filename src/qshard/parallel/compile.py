@@ -3,7 +3,8 @@
 Only each block's `forward` is compiled, not its `__call__`: FSDP2's hooks (all-gather, reshard) keep
 running eagerly around the compiled graph, exactly as without compilation. Blocks of one class share one
 compiled graph (modules are inlined, so their parameters are graph inputs rather than constants baked
-into it). Activation checkpointing is traced into the graph (parallel/checkpointing.py: traced_checkpoint).
+into it). Activation checkpointing is traced into the graph where parallelize asks for it
+(parallel/checkpointing.py: traced_checkpoint); elsewhere its hooks run around the compiled forward.
 """
 
 from __future__ import annotations

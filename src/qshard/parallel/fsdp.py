@@ -80,7 +80,8 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     Returns how the quantized storage is held: "fsdp", "dtensor", or "in_place" (see blocks_in_place)."""
     mp = precision(cfg).mp_policy()
     how = quant_sharding(cfg)
-    in_place_blocks = blocks if how == "fsdp" and blocks_in_place(mesh, cfg) else []
+    quantized = [how == "fsdp" and any(isinstance(m, QUANTIZED_LINEARS) for m in b.modules()) for b in blocks]
+    in_place_blocks = [b for b, q in zip(blocks, quantized) if q] if blocks_in_place(mesh, cfg) else []
     if how == "fsdp":
         # Only what an FSDP2 unit will hold needs a float carrier. Storage used in place keeps its integer
         # dtypes: a compiled graph that views the fp32 scale carrier back as int32 and again as fp32 (the
@@ -98,9 +99,14 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
             # FSDP2's CPUOffloadPolicy moves only what FSDP2 manages: the quantized storage, the bulk of the
             # model, goes to host memory here (before materialization, so it never exists on the GPU whole).
             offload_quantized_storage(model, blocks, compute_device(mesh))
-    apply_activation_checkpointing(model, blocks, cfg.parallel)
+    # Compiled blocks used in place have their checkpoint traced into the graph (parallel/checkpointing.py:
+    # traced_checkpoint); the others keep hooks around the compiled forward. Traced with the float carriers
+    # of a unit's storage, torch 2.13's partitioner fails as above (reproduced on CPU with inductor).
+    in_place_ids = {id(b) for b in in_place_blocks}
+    traced = [b for b in checkpointed_blocks(blocks, cfg.parallel) if id(b) in in_place_ids and cfg.parallel.compile]
+    apply_activation_checkpointing(model, blocks, cfg.parallel, traced)
     if cfg.parallel.compile:
-        compile_blocks(blocks, cfg.parallel.compile_backend, checkpointed_blocks(blocks, cfg.parallel))
+        compile_blocks(blocks, cfg.parallel.compile_backend, traced)
     offload = offload_policy(cfg)
     # Blocks whose quantized storage FSDP2 gathers must not be cast (see carry_storage_in_float): their
     # units gather every parameter in its stored dtype, and the adapters cast their weights to the compute
@@ -108,13 +114,12 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     uncast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=mp.reduce_dtype)
     in_place = set()  # parameters no unit manages (see blocks_in_place)
     for i, block in enumerate(blocks):
-        quantized = how == "fsdp" and any(isinstance(m, QUANTIZED_LINEARS) for m in block.modules())
-        if quantized and in_place_blocks:
+        if id(block) in in_place_ids:
             in_place.update(block.parameters())
             continue
         # The last block's weights are needed again at once by backward: keeping them saves an all-gather.
         reshard = reshard_after_forward(cfg) and i < len(blocks) - 1
-        policy = uncast if quantized else mp
+        policy = uncast if quantized[i] else mp
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is not None and head.weight is not embed.weight:  # a tied pair must stay in one unit (the root)
