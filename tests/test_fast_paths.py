@@ -207,3 +207,27 @@ def test_only_dropout_with_a_nonzero_rate_counts_as_random():
     assert not _draws_random_numbers(aten.mm.default, (q[0, 0], q[0, 0].T), {})
     assert _draws_random_numbers(aten.rand_like.default, (q,), {})
 
+
+def test_trainer_batches_ask_the_device_nothing(dist_env, tiny_models):
+    """The trainer's device batch: the loss positions computed on the host, and no attention mask where nothing
+    is padded (transformers would inspect it on the device). The loss is the same as with the mask."""
+    from qshard.data import Example
+    from qshard.train.loop import Trainer
+    from qshard.train.loss import loss_positions
+
+    model = _tiny_qlora(dist_env, tiny_models("llama"))
+    examples = [Example(list(range(3, 3 + n)), [IGNORE_INDEX] * 4 + list(range(7, 3 + n))) for n in (20, 20, 13)]
+    cfg = Config()
+    cfg.train.micro_batch_size = 2
+    trainer = Trainer(cfg.validate(), dist_env, model, examples, [], pad_id=0)
+    full = trainer._batch([0, 1])
+    assert "attention_mask" not in full
+    assert torch.equal(full["loss_positions"], loss_positions(full["labels"]))
+    assert len(full["loss_positions"]) == 2 * (20 - 4)  # labels[1:]: 3 masked, 16 trained per row
+    padded = trainer._batch([0, 2])
+    assert "attention_mask" in padded and not bool(padded["attention_mask"].all())
+
+    with torch.no_grad():
+        masked = dict(full, attention_mask=torch.ones_like(full["input_ids"]))
+        del masked["loss_positions"]  # derived on the device instead
+        torch.testing.assert_close(trainer.loss_sum(model, full), trainer.loss_sum(model, masked), rtol=1e-6, atol=1e-5)

@@ -17,13 +17,24 @@ from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
 from qshard.precision import precision
-from qshard.train.loss import build_loss
+from qshard.train.loss import build_loss, loss_positions
 from qshard.train.metrics import MetricsLog, Progress, peak_memory_gib
 from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass
+class IssuedStep:
+    """An optimizer step queued on the device; `totals` (loss sum, stop votes, trained and input tokens, gradient
+    norm, float64) is read when it is finished."""
+
+    step: int
+    start: float
+    totals: torch.Tensor
+    lr: float
 
 
 @dataclass
@@ -78,19 +89,24 @@ class Trainer:
 
     # -----------------------------------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
-        """One optimizer step over the global batch `step` (0-based)."""
+        """One optimizer step over the global batch `step` (0-based), waited for: its record."""
+        return self.finish(self.issue(step))
+
+    def issue(self, step: int) -> IssuedStep:
+        """Queue one optimizer step over the global batch `step` (0-based) on the device. Nothing here waits
+        for the device: each wait would stop the host from queueing work ahead of it (`finish` waits once)."""
         start = time.perf_counter()
         self.model.train()
         examples = for_epoch(self.train_examples, self.sampler.epoch_of(step))  # packed anew each epoch
-        batches = [self._batch(idx, examples) for idx in self.sampler.microbatches(step)]
+        host = [self._collate(idx, examples) for idx in self.sampler.microbatches(step)]
 
         # Normalize by the trained tokens of the whole global batch, all ranks and micro-batches, so the
         # gradient is the per-token mean however the batch is split. FSDP2 averages gradients over ranks;
-        # multiplying by the world size turns that average back into the sum we want.
-        n_trained, n_input = self._all_sum(
-            [sum(trained_tokens(b) for b in batches), sum(input_tokens(b) for b in batches)]
-        )
-        scale = self.env.world_size / max(n_trained, 1)
+        # multiplying by the world size turns that average back into the sum we want. Counted on the host,
+        # summed over ranks on the device, and used there: reading the sum back would wait for the device.
+        counts = self._all_sum([sum(trained_tokens(b) for b in host), sum(input_tokens(b) for b in host)])
+        scale = (self.env.world_size / counts[0].clamp(min=1)).float()
+        batches = [self._to_device(b) for b in host]
 
         loss_sum = torch.zeros((), device=self.env.device)
         for batch in batches:
@@ -110,19 +126,23 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
         # One all-reduce for the logged loss and the preemption vote (a signal may reach only some ranks).
-        # With the token counts above and the norm, these are the step's only waits on the device.
-        vote = torch.tensor(float(self.stop_requested), dtype=torch.float64, device=self.env.device)
-        totals = torch.stack([loss_sum.to(torch.float64), vote])
+        vote = torch.tensor(float(self.stop_requested), dtype=torch.float64)
+        totals = torch.stack([loss_sum.to(torch.float64), self._on_device(vote)])
         dist.all_reduce(totals)
-        loss_total, votes = totals.tolist()
+        return IssuedStep(step, start, torch.cat([totals, counts, grad_norm.detach().reshape(1).to(torch.float64)]), lr)
+
+    def finish(self, issued: IssuedStep) -> dict:
+        """Wait for an issued step and return its record."""
+        loss_total, votes, n_trained, n_input, grad_norm = issued.totals.tolist()  # the step's one wait
+        elapsed = time.perf_counter() - issued.start
         self.stop_agreed = votes > 0
-        elapsed = time.perf_counter() - start
+        n_trained, n_input = int(n_trained), int(n_input)
         return {
-            "step": step + 1,
-            "epoch": step // self.sampler.steps_per_epoch,
+            "step": issued.step + 1,
+            "epoch": issued.step // self.sampler.steps_per_epoch,
             "loss": loss_total / max(n_trained, 1),
-            "lr": lr,
-            "grad_norm": float(grad_norm),
+            "lr": issued.lr,
+            "grad_norm": grad_norm,
             "tokens": n_input,
             "trained_tokens": n_trained,
             "tokens_per_s": n_input / elapsed,
@@ -200,28 +220,46 @@ class Trainer:
         for start in range(0, per_rank, mbs):
             chunk = mine[start : start + mbs]
             real = [i for i in chunk if i < n]
-            batch = self._batch([i if i < n else 0 for i in chunk], self.eval_examples)
+            batch = self._collate([i if i < n else 0 for i in chunk], self.eval_examples)
             if len(real) < len(chunk):  # padding examples contribute no tokens
                 batch["labels"][len(real) :] = IGNORE_INDEX
-            loss_sum += self.loss_sum(self.model, batch)
             tokens += trained_tokens(batch)
+            loss_sum += self.loss_sum(self.model, self._to_device(batch))
         total_loss = self._all_sum_tensor(loss_sum)
-        total_tokens = self._all_sum([tokens])[0]
+        total_tokens = int(self._all_sum([tokens]).item())
         # Without a backward to trigger it, modules that keep weights gathered after forward (the last
         # block, the root) would stay unsharded, holding bf16 copies where the fp32 shards belong.
         reshard_all(self.model)
         return EvalResult(total_loss / max(total_tokens, 1), total_tokens)
 
     # -----------------------------------------------------------------------------------------------------------
-    def _batch(self, indices: list[int], examples: list[Example] | None = None) -> dict[str, torch.Tensor]:
+    def _collate(self, indices: list[int], examples: list[Example] | None = None) -> dict[str, torch.Tensor]:
         examples = self.train_examples if examples is None else examples
-        batch = collate([examples[i] for i in indices], self.pad_id)
-        return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
+        return collate([examples[i] for i in indices], self.pad_id)
 
-    def _all_sum(self, values: list[int]) -> list[int]:
-        t = torch.tensor(values, dtype=torch.int64, device=self.env.device)
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A collated batch on the device, with what the step would otherwise ask the device for decided here
+        on the host (every such question waits for the GPU to finish its queue): the flat positions the loss
+        is computed at, and no attention mask where nothing is padded (the causal mask alone is the same,
+        and transformers would check the mask's values on the device)."""
+        batch = dict(batch)
+        batch["loss_positions"] = loss_positions(batch["labels"])
+        if "attention_mask" in batch and bool(batch["attention_mask"].all()):
+            del batch["attention_mask"]
+        return {k: self._on_device(v) for k, v in batch.items()}
+
+    def _batch(self, indices: list[int], examples: list[Example] | None = None) -> dict[str, torch.Tensor]:
+        return self._to_device(self._collate(indices, examples))
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        # From pinned memory the copy does not wait for the device's queue; from pageable memory it does.
+        return t.pin_memory().to(self.env.device, non_blocking=True) if self.env.device.type == "cuda" else t
+
+    def _all_sum(self, values: list[int]) -> torch.Tensor:
+        """The sums over ranks, as float64 on the device (exact below 2**53), not waited for."""
+        t = self._on_device(torch.tensor(values, dtype=torch.float64))
         dist.all_reduce(t)
-        return t.tolist()
+        return t
 
     def _all_sum_tensor(self, value: torch.Tensor) -> float:
         t = value.detach().to(torch.float64)

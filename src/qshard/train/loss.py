@@ -63,9 +63,13 @@ class ChunkedLoss:
         no_positions = torch.empty(0, dtype=torch.long, device=device)
         model(**model_inputs(batch), use_cache=False, logits_to_keep=no_positions)
         hidden, self.hidden = self.hidden, None
-        labels = batch["labels"][:, 1:].flatten()
-        keep = labels != IGNORE_INDEX  # prompt and padding positions need no logits at all
-        states = hidden[:, :-1].flatten(0, 1)[keep]
+        # Prompt and padding positions need no logits at all. Positions rather than a mask: selecting by a
+        # mask would wait for the device to count it, in forward and again in backward.
+        positions = batch.get("loss_positions")
+        if positions is None:
+            positions = loss_positions(batch["labels"])
+        states = hidden[:, :-1].flatten(0, 1).index_select(0, positions)
+        labels = batch["labels"][:, 1:].flatten().index_select(0, positions)
         # The head's weight as its FSDP unit gathered it (kept from the forward into backward, see
         # parallel/fsdp.py; unshard() is a no-op then). Still sharded, e.g. outside FSDP: gathered here.
         if isinstance(self.head, FSDPModule):
@@ -75,7 +79,12 @@ class ChunkedLoss:
             weight = weight.full_tensor()
         if isinstance(bias, DTensor):
             bias = bias.full_tensor()
-        return _ChunkedHeadCE.apply(states, labels[keep], weight, bias, self.chunk_tokens, self.softcap)
+        return _ChunkedHeadCE.apply(states, labels, weight, bias, self.chunk_tokens, self.softcap)
+
+
+def loss_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices into [batch x (length - 1)] of the next-token targets that count in the loss."""
+    return (labels[:, 1:] != IGNORE_INDEX).flatten().nonzero().squeeze(1)
 
 
 def _chunk_loss(states, labels, weight, bias, softcap) -> torch.Tensor:
