@@ -4,8 +4,9 @@ has finished it, plus the GPU's busy time and the host time inside FSDP2's hooks
   python3 benchmarks/step_phases.py --shape llama3-8b [--seq 2048] [--steps 4] [--section.key V ...]
 
 A phase whose host time is close to its wall time is bound by the host (Python, dispatch, kernel launches);
-one whose wall time is much longer waits for the GPU. Random weights (`model.shape`) and random tokens:
-nothing is read from disk. One JSON line at the end.
+one whose wall time is much longer waits for the GPU. The whole step is timed the same way: the host time to
+queue it (`step_issue_host_s`) against its time to the end (`step_s`). Random weights (`model.shape`) and
+random tokens: nothing is read from disk. One JSON line at the end.
 """
 
 from __future__ import annotations
@@ -73,7 +74,14 @@ def main() -> None:
     for step in range(args.warmup):
         trainer.step(step)
 
-    whole = [trainer.step(args.warmup + i)["step_time_s"] for i in range(args.steps)]
+    whole, issued = [], []
+    for i in range(args.steps):
+        # Host time to queue the whole step (Trainer.issue: nothing in it waits for the device), then its
+        # record (the one wait). Issue time close to the step time means the host bounds the step.
+        t0 = time.perf_counter()
+        pending = trainer.issue(args.warmup + i)
+        issued.append(time.perf_counter() - t0)
+        whole.append(trainer.finish(pending)["step_time_s"])
     phases = defaultdict(list)
     for i in range(args.steps):
         for name, times in _phases(trainer, args.warmup + args.steps + i).items():
@@ -97,6 +105,7 @@ def main() -> None:
     result = {
         "shape": args.shape, "seq": args.seq, "overrides": extra,
         "step_s": round(statistics.median(whole), 4),
+        "step_issue_host_s": round(statistics.median(issued), 4),
         "phases_host_wall_s": {k: [round(statistics.median(h for h, _ in v), 4),
                                    round(statistics.median(w for _, w in v), 4)] for k, v in phases.items()},
         "profiled_step_gpu_busy_ms": round(gpu_ms, 1),
