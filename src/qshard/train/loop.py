@@ -252,8 +252,10 @@ class Trainer:
         return self._to_device(self._collate(indices, examples))
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        # From pinned memory the copy does not wait for the device's queue; from pageable memory it does.
-        return t.pin_memory().to(self.env.device, non_blocking=True) if self.env.device.type == "cuda" else t
+        if self.env.device.type == "cuda":
+            # From pinned memory the copy does not wait for the device's queue; from pageable memory it does.
+            return t.pin_memory().to(self.env.device, non_blocking=True)
+        return t.to(self.env.device)
 
     def _all_sum(self, values: list[int]) -> torch.Tensor:
         """The sums over ranks, as float64 on the device (exact below 2**53), not waited for."""
