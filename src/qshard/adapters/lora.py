@@ -46,8 +46,8 @@ class LoRALinear(nn.Module):
         return a, b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The scaling rides on B's cast to the compute dtype ([out, r] elements, not the [tokens, out] result):
-        # one kernel where compiled blocks would otherwise launch a multiply on the rank-r intermediate.
+        # The scaling rides on B's cast to the compute dtype ([out, r] elements, not the [tokens, r]
+        # intermediate): compiled blocks fuse the two into one kernel instead of launching a separate multiply.
         low_rank = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
         return self.base(x) + F.linear(low_rank, (self.lora_B * self.scaling).to(x.dtype))
 

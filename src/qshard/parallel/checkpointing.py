@@ -9,8 +9,8 @@ checkpointed region and the recompute does not gather weights twice.
 
 Compiled blocks that no FSDP2 unit holds (one device: parallel/fsdp.py, blocks_in_place) are checkpointed
 inside their graph instead (`traced_checkpoint`): the compiler then builds one backward graph per block that
-recomputes only what backward needs, under a policy that recomputes every op (random ones excepted), so
-the block keeps no more than its inputs.
+recomputes only what backward needs, under a policy that recomputes every op but random draws, so the block
+keeps its inputs and the outputs of its random ops (none without dropout).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _draws_random_numbers(op, args, kwargs) -> bool:
     for i, arg in enumerate(op._schema.arguments):
         if arg.name in ("dropout_p", "p"):
             value = kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value)
-            return value != 0
+            return not isinstance(value, (int, float)) or value != 0  # a tensor of probabilities: random
     return True
 
 

@@ -101,9 +101,12 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
             offload_quantized_storage(model, blocks, compute_device(mesh))
     # Compiled blocks used in place have their checkpoint traced into the graph (parallel/checkpointing.py:
     # traced_checkpoint); the others keep hooks around the compiled forward. Traced with the float carriers
-    # of a unit's storage, torch 2.13's partitioner fails as above (reproduced on CPU with inductor).
+    # of a unit's storage, torch 2.13's partitioner fails as above (reproduced on CPU with inductor). Not
+    # with LoRA dropout either: the traced checkpoint keeps every dropout's output and mask (6x the kept
+    # bytes of hooks on a tiny Llama at dropout 0.1), where the hooks' recomputation redraws them exactly.
     in_place_ids = {id(b) for b in in_place_blocks}
-    traced = [b for b in checkpointed_blocks(blocks, cfg.parallel) if id(b) in in_place_ids and cfg.parallel.compile]
+    trace = cfg.parallel.compile and cfg.lora.dropout == 0
+    traced = [b for b in checkpointed_blocks(blocks, cfg.parallel) if id(b) in in_place_ids and trace]
     apply_activation_checkpointing(model, blocks, cfg.parallel, traced)
     if cfg.parallel.compile:
         compile_blocks(blocks, cfg.parallel.compile_backend, traced)

@@ -93,8 +93,10 @@ class Trainer:
         return self.finish(self.issue(step))
 
     def issue(self, step: int) -> IssuedStep:
-        """Queue one optimizer step over the global batch `step` (0-based) on the device. Nothing here waits
-        for the device: each wait would stop the host from queueing work ahead of it (`finish` waits once)."""
+        """Queue one optimizer step over the global batch `step` (0-based) on the device. Nothing of qshard's
+        here waits for the device: each wait would stop the host from queueing work ahead of it (`finish`
+        waits once). Some modes wait anyway: fp16's loss scaler reads its overflow flag, CPU offload steps
+        the optimizer on the host, and transformers inspects the attention mask of a padded batch."""
         start = time.perf_counter()
         self.model.train()
         examples = for_epoch(self.train_examples, self.sampler.epoch_of(step))  # packed anew each epoch
@@ -129,7 +131,9 @@ class Trainer:
         vote = torch.tensor(float(self.stop_requested), dtype=torch.float64)
         totals = torch.stack([loss_sum.to(torch.float64), self._on_device(vote)])
         dist.all_reduce(totals)
-        return IssuedStep(step, start, torch.cat([totals, counts, grad_norm.detach().reshape(1).to(torch.float64)]), lr)
+        # The norm lives where the gradients do: on the host under parallel.cpu_offload.
+        norm = grad_norm.detach().to(self.env.device, torch.float64).reshape(1)
+        return IssuedStep(step, start, torch.cat([totals, counts, norm]), lr)
 
     def finish(self, issued: IssuedStep) -> dict:
         """Wait for an issued step and return its record."""
@@ -240,8 +244,9 @@ class Trainer:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch on the device, with what the step would otherwise ask the device for decided here
         on the host (every such question waits for the GPU to finish its queue): the flat positions the loss
-        is computed at, and no attention mask where nothing is padded (the causal mask alone is the same,
-        and transformers would check the mask's values on the device)."""
+        is computed at (from the labels as they are now: change them before, not after), and no attention
+        mask where nothing is padded (the causal mask alone is the same, and transformers would check the
+        mask's values on the device)."""
         batch = dict(batch)
         batch["loss_positions"] = loss_positions(batch["labels"])
         if "attention_mask" in batch and bool(batch["attention_mask"].all()):
