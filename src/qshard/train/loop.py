@@ -23,7 +23,7 @@ from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return len(loss_positions(batch["labels"]))
 
 
 @dataclass
