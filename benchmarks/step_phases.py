@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 
@@ -57,6 +59,67 @@ def _phases(trainer: Trainer, step: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+_GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _gpu_idle(prof, min_gap_us: float = 10.0, max_launch_latency_us: float = 40.0, top: int = 12) -> dict:
+    """Where the GPU waits in the profiled step: the time from the step's start on the host to its first
+    kernel, the idle time between its kernels, and, for each gap of at least `min_gap_us`, the host ops
+    that were running when the kernel after it was launched, if it was launched at most
+    `max_launch_latency_us` before it started (the host was the bound), or else the kernels on either side
+    (queued in time, the GPU waited on something else: another stream, a launch of its own cost)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in trace if e.get("cat") in _GPU_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
+    if not gpu:
+        return {}
+    launches = {e["args"]["correlation"]: e for e in trace
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = [e for e in trace if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e]
+    step_start = min(e["ts"] for e in ops) if ops else gpu[0]["ts"]
+    by_cause: dict[str, float] = defaultdict(float)
+    early: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    gaps, small, prev = [], 0.0, gpu[0]
+    busy_end, busy = gpu[0]["ts"] + gpu[0]["dur"], gpu[0]["dur"]
+    for e in gpu[1:]:
+        gap = e["ts"] - busy_end
+        busy += max(0.0, e["ts"] + e["dur"] - max(busy_end, e["ts"]))
+        if gap >= min_gap_us:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            lead = e["ts"] - (launch["ts"] + launch.get("dur", 0)) if launch is not None else None
+            if lead is not None and lead <= max_launch_latency_us:
+                t, tid = launch["ts"], launch["tid"]
+                stack = sorted((o for o in ops if o["tid"] == tid and o["ts"] <= t <= o["ts"] + o["dur"]),
+                               key=lambda o: o["ts"])
+                by_cause[" > ".join(o["name"][:60] for o in stack[:3]) or "(no op)"] += gap
+            else:  # queued in time, yet the GPU waited: name the kernels on either side and the stream
+                key = f"{prev['name'][:50]} -> {e['name'][:50]} (stream {e.get('args', {}).get('stream')})"
+                early[key][0] += gap
+                early[key][1] += 1
+            gaps.append(gap)
+        elif gap > 0:
+            small += gap
+        if e["ts"] + e["dur"] > busy_end:
+            busy_end, prev = e["ts"] + e["dur"], e
+    total = busy_end - gpu[0]["ts"]
+    return {
+        "host_start_to_first_kernel_ms": round((gpu[0]["ts"] - step_start) / 1e3, 2),
+        "first_to_last_kernel_ms": round(total / 1e3, 2),
+        "busy_union_ms": round(busy / 1e3, 2),
+        "gaps_over_min_ms": round(sum(gaps) / 1e3, 2),
+        "gaps_over_min": len(gaps),
+        "min_gap_us": min_gap_us,
+        "gaps_under_min_ms": round(small / 1e3, 2),
+        "late_launch_idle_by_host_ops_ms": {k: round(v / 1e3, 2) for k, v in
+                                            sorted(by_cause.items(), key=lambda kv: -kv[1])[:top]},
+        "early_launch_idle_ms_count": {k: [round(v[0] / 1e3, 2), v[1]] for k, v in
+                                       sorted(early.items(), key=lambda kv: -kv[1][0])[:top]},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama3-8b")
@@ -92,6 +155,7 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         trainer.step(args.warmup + 2 * args.steps)
+    idle = _gpu_idle(prof) if torch.cuda.is_available() else None
     events = prof.key_averages()
     gpu_ms = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3
     # Per hook kind, summed over the units ("FSDP::pre_forward (model.layers.3)", "FSDP::backward_prefetch for
@@ -105,6 +169,7 @@ def main() -> None:
     result = {
         "shape": args.shape, "seq": args.seq, "overrides": extra,
         "step_s": round(statistics.median(whole), 4),
+        "step_times_s": [round(t, 4) for t in whole],
         "step_issue_host_s": round(statistics.median(issued), 4),
         "phases_host_wall_s": {k: [round(statistics.median(h for h, _ in v), 4),
                                    round(statistics.median(w for _, w in v), 4)] for k, v in phases.items()},
@@ -112,8 +177,12 @@ def main() -> None:
         "profiled_step_kernels": kernels,
         "fsdp_hooks_host_ms": {k: round(v, 1) for k, v in sorted(fsdp.items(), key=lambda kv: -kv[1])},
         "fsdp_hooks_total_ms": round(sum(fsdp.values()), 1),
+        "profiled_step_gpu_idle": idle,
         "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
         else None,
+        "top_kernels_ms_count": {e.key[:90]: [round(e.self_device_time_total / 1e3, 2), e.count]
+                                 for e in sorted((e for e in events if e.device_type.name == "CUDA"),
+                                                 key=lambda e: -e.self_device_time_total)[:25]},
         "top_host_ops_ms": {e.key: round(e.self_cpu_time_total / 1e3, 1)
                             for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]},
     }

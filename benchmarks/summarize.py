@@ -19,6 +19,7 @@ def main() -> None:
         "tokens_per_s": statistics.median(r["tokens"] for r in steady) / step_s,
         "peak_alloc_gib": max(r["peak_mem_gib"] for r in records),
         "losses": [round(r["loss"], 4) for r in records],
+        "step_times_s": [round(r["step_time_s"], 4) for r in records],
     }))
 
 
