@@ -126,8 +126,9 @@ def test_qlora_dtypes(tiny_models, tmp_path, dist_env):
 
 def test_one_device_blocks_have_no_fsdp_units(tiny_models, dist_env):
     """World size 1: quantized blocks are used in place (no FSDP2 unit, plain parameters: no one-rank gathers
-    and copies); the embedding, head and root stay units. With a bf16 base (a block whose unit casts the fp32
-    adapters) or under CPU offload (FSDP2 moves the storage) the blocks keep their units."""
+    and copies), and so are the frozen embedding and head; the root stays a unit. With a bf16 base (a block
+    whose unit casts the fp32 adapters) or under CPU offload (FSDP2 moves the storage) the blocks keep their
+    units; an embedding and head that train (full fine-tuning) keep theirs."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -142,13 +143,18 @@ def test_one_device_blocks_have_no_fsdp_units(tiny_models, dist_env):
         return build_model(cfg.validate(), dist_env, tiny_models("llama"))[0]
 
     model = built()
-    block = model.model.layers[0]
+    block, embed, head = model.model.layers[0], model.get_input_embeddings(), model.get_output_embeddings()
     assert not isinstance(block, FSDPModule) and isinstance(model, FSDPModule)
-    assert isinstance(model.get_input_embeddings(), FSDPModule)
-    assert not any(isinstance(p, DTensor) for p in block.parameters())
-    assert isinstance(model.get_input_embeddings().weight, DTensor)
-    for model in (built(train_type="lora"), built(cpu_offload=True)):
+    assert not any(isinstance(m, FSDPModule) for m in (embed, head))
+    assert not any(isinstance(p, DTensor) for m in (block, embed, head) for p in m.parameters())
+    assert isinstance(model.model.norm.weight, DTensor)  # the root's own
+    lora, offloaded = built(train_type="lora"), built(cpu_offload=True)
+    for model in (lora, offloaded):
         assert all(isinstance(b, FSDPModule) for b in model.model.layers)
+    assert not isinstance(lora.get_input_embeddings(), FSDPModule)  # frozen, bf16: in place
+    assert isinstance(offloaded.get_input_embeddings(), FSDPModule)
+    full = built(train_type="full")
+    assert all(isinstance(m, FSDPModule) for m in (full.get_input_embeddings(), full.get_output_embeddings()))
 
 
 def test_embedded_demo_end_to_end(tmp_path):

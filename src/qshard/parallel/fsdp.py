@@ -125,16 +125,33 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
         policy = uncast if quantized[i] else mp
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is not None and head.weight is not embed.weight:  # a tied pair must stay in one unit (the root)
+    untied = head is not None and head.weight is not embed.weight
+    if untied and blocks_in_place(mesh, cfg):
+        # One device: a frozen embedding or head that the policy would not cast is used in place as well;
+        # as units they would be copied into a one-rank all-gather and back every step, and the head's copy
+        # kept from forward into backward (1 GiB each for the 8B shape). A tied pair stays with the root:
+        # materialized outside FSDP2, its two modules would get a parameter each.
+        for module in (embed, head):
+            if frozen_uncast(module, mp):
+                in_place.update(module.parameters())
+    if untied:  # a tied pair must stay in one unit (the root)
         # Units of their own, so neither holds a gathered copy for the whole step: the embedding is needed
         # in its forward only (and in backward only if it trains); the head stays gathered from forward
         # into backward, which begins with it, and the chunked loss reads its weight (train/loss.py).
-        fully_shard(embed, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload)
-        fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
+        if not in_place.issuperset(embed.parameters()):
+            fully_shard(embed, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload)
+        if not in_place.issuperset(head.parameters()):
+            fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
     # The root (what is left: final norm, a tied embedding/head) is needed again at once by backward.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload,
                 ignored_params=in_place or None)
-    return "in_place" if in_place else how
+    return "in_place" if in_place_blocks else how
+
+
+def frozen_uncast(module: nn.Module, mp: MixedPrecisionPolicy) -> bool:
+    """Whether every parameter of `module` is frozen and already in the dtype its unit would gather it in."""
+    params = list(module.parameters())
+    return bool(params) and all(not p.requires_grad and mp.param_dtype in (None, p.dtype) for p in params)
 
 
 def blocks_in_place(mesh: DeviceMesh, cfg: Config) -> bool:
@@ -143,7 +160,8 @@ def blocks_in_place(mesh: DeviceMesh, cfg: Config) -> bool:
     gradient reduction is the identity. Measured on an H200 (8B shape, seq 2,048, compiled blocks): the
     hooks cost ~100 ms of host time and the copies ~50 ms of GPU time a step; without them the step is
     10% faster. Such a block's unit would cast nothing (see `uncast` above), so leaving its parameters as
-    plain tensors, used in place, changes no numbers. CPU offload needs FSDP2 (its policy moves them)."""
+    plain tensors, used in place, changes no numbers. The same holds for a frozen embedding or head in the
+    compute dtype (`frozen_uncast`). CPU offload needs FSDP2 (its policy moves them)."""
     return mesh.size() == 1 and not cfg.parallel.cpu_offload
 
 
