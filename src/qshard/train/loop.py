@@ -38,6 +38,16 @@ class IssuedStep:
 
 
 @dataclass
+class StepInputs:
+    """A global batch's micro-batches on the device, the scale that turns their summed losses into the
+    per-token mean, and the (trained, input) token counts summed over ranks (float64, on the device)."""
+
+    batches: list[dict[str, torch.Tensor]]
+    scale: torch.Tensor
+    counts: torch.Tensor
+
+
+@dataclass
 class FitResult:
     first: EvalResult | None
     last: EvalResult | None
@@ -86,6 +96,7 @@ class Trainer:
         self.stop_requested = False  # set on this rank by the preemption signal handler
         self.stop_agreed = False  # set by the last step: some rank was asked to stop
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
+        self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
 
     # -----------------------------------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -98,18 +109,10 @@ class Trainer:
         waits once). Some modes wait anyway: fp16's loss scaler reads its overflow flag, CPU offload steps
         the optimizer on the host, and transformers inspects the attention mask of a padded batch."""
         start = time.perf_counter()
-        self.model.train()
-        examples = for_epoch(self.train_examples, self.sampler.epoch_of(step))  # packed anew each epoch
-        host = [self._collate(idx, examples) for idx in self.sampler.microbatches(step)]
-
-        # Normalize by the trained tokens of the whole global batch, all ranks and micro-batches, so the
-        # gradient is the per-token mean however the batch is split. FSDP2 averages gradients over ranks;
-        # multiplying by the world size turns that average back into the sum we want. Counted on the host,
-        # summed over ranks on the device, and used there: reading the sum back would wait for the device.
-        counts = self._all_sum([sum(trained_tokens(b) for b in host), sum(input_tokens(b) for b in host)])
-        scale = (self.env.world_size / counts[0].clamp(min=1)).float()
-        batches = [self._to_device(b) for b in host]
-
+        if not self.model.training:  # a walk over every module: only after evaluation
+            self.model.train()
+        inputs = self._prefetched.pop(step, None) or self._inputs(step)
+        batches, scale, counts = inputs.batches, inputs.scale, inputs.counts
         loss_sum = torch.zeros((), device=self.env.device)
         for batch in batches:
             with self.activation_offload():
@@ -133,7 +136,23 @@ class Trainer:
         dist.all_reduce(totals)
         # The norm lives where the gradients do: on the host under parallel.cpu_offload.
         norm = grad_norm.detach().to(self.env.device, torch.float64).reshape(1)
+        # The next step's batches, prepared and sent while the device runs this one: otherwise the device
+        # would idle at the start of every step while the host collates and copies them.
+        if step + 1 < self.total_steps:
+            self._prefetched = {step + 1: self._inputs(step + 1)}
         return IssuedStep(step, start, torch.cat([totals, counts, norm]), lr)
+
+    def _inputs(self, step: int) -> StepInputs:
+        """The micro-batches of global batch `step` on the device, and the loss scale that normalizes them."""
+        examples = for_epoch(self.train_examples, self.sampler.epoch_of(step))  # packed anew each epoch
+        host = [self._collate(idx, examples) for idx in self.sampler.microbatches(step)]
+        # Normalize by the trained tokens of the whole global batch, all ranks and micro-batches, so the
+        # gradient is the per-token mean however the batch is split. FSDP2 averages gradients over ranks;
+        # multiplying by the world size turns that average back into the sum we want. Counted on the host,
+        # summed over ranks on the device, and used there: reading the sum back would wait for the device.
+        counts = self._all_sum([sum(trained_tokens(b) for b in host), sum(input_tokens(b) for b in host)])
+        scale = (self.env.world_size / counts[0].clamp(min=1)).float()
+        return StepInputs([self._to_device(b) for b in host], scale, counts)
 
     def finish(self, issued: IssuedStep) -> dict:
         """Wait for an issued step and return its record."""
