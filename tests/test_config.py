@@ -83,6 +83,7 @@ COMPANIONS = {
     "quant.bits": {"quant.method": "hqq"},
     "parallel.replicate_degree": {"parallel.sharding": "hybrid"},
     "parallel.compile_backend": {"parallel.compile": "true"},
+    "parallel.ac_save_projections": {"parallel.compile": "true"},
 }
 
 
@@ -276,6 +277,10 @@ def error_of(*argv: str) -> str:
         (["--grad-accum", "-2"], ["train.grad_accum must be > 0"]),
         (["--train.eval_every", "-1"], ["train.eval_every must be >= 0"]),
         (["--train.log_every", "0"], ["train.log_every must be > 0"]),
+        (["--parallel.ac_save_projections", "true"], ["parallel.ac_save_projections: has no effect without "
+                                                        "parallel.compile true"]),
+        (["--parallel.ac_save_projections", "true", "--parallel.compile", "true", "--lora.dropout", "0.1"],
+         ["parallel.ac_save_projections: has no effect without lora.dropout 0"]),
         (["--nproc", "0"], ["parallel.nproc must be > 0"]),
     ],
 )

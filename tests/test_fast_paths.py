@@ -145,13 +145,13 @@ def test_compiled_blocks_checkpoint_inside_their_graph(dist_env, tiny_models):
     """Compiled blocks are checkpointed inside their graph (parallel/checkpointing.py: traced_checkpoint) and
     keep no more for backward than blocks checkpointed by hooks around an eager forward; without any
     checkpointing they keep many times more. With LoRA dropout they keep hooks (traced, they would keep
-    every dropout's output: 6x), so again no more."""
+    every dropout's output: 6x), so again no more. (Kept projections, the default, are tested below.)"""
     model_dir = tiny_models("llama", num_hidden_layers=4, hidden_size=256, intermediate_size=1024)
     batch = {"input_ids": torch.randint(3, 200, (1, 128), generator=torch.Generator().manual_seed(0))}
     kept = {}
     for name, parallel in {
         "eager, hooks": {},
-        "compiled, traced": {"compile": True, "compile_backend": "aot_eager"},
+        "compiled, traced": {"compile": True, "compile_backend": "aot_eager", "ac_save_projections": False},
         "compiled, none": {"compile": True, "compile_backend": "aot_eager", "activation_checkpointing": False},
         "compiled, dropout": {"compile": True, "compile_backend": "aot_eager", "dropout": 0.1},
     }.items():
@@ -162,6 +162,37 @@ def test_compiled_blocks_checkpoint_inside_their_graph(dist_env, tiny_models):
     assert kept["compiled, traced"] <= kept["eager, hooks"] * 1.2, kept
     assert kept["compiled, traced"] * 5 < kept["compiled, none"], kept
     assert kept["compiled, dropout"] <= kept["eager, hooks"] * 1.2, kept
+
+
+def test_traced_checkpoint_keeps_the_narrowing_projections_and_computes_the_same(dist_env, tiny_models):
+    """parallel.ac_save_projections: the traced checkpoint keeps the outputs of attention's q/k/v projections
+    and of every adapter's A (the matmuls backward reads that do not widen their input), nothing more: not
+    o_proj's or down_proj's outputs, which backward does not read, nor the MLP's wide gate/up outputs. The
+    gradients are those of recomputing them."""
+    layers, hidden, inter, rank, tokens = 2, 256, 1024, 8, 128
+    model_dir = tiny_models("llama", num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter)
+    batch = {"input_ids": torch.randint(3, 200, (1, tokens), generator=torch.Generator().manual_seed(0))}
+    kept, grads = {}, {}
+    for save in (False, True):
+        try:
+            model = _tiny_qlora(dist_env, model_dir, compile=True, compile_backend="aot_eager",
+                                ac_save_projections=save)
+            with torch.no_grad():  # B starts at zero, which would hide A's gradient
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)  # any device
+            kept[save] = _kept_activation_bytes(model, batch)
+            model(**batch, use_cache=False).logits.float().square().mean().backward()
+        finally:
+            torch._dynamo.reset()
+        grads[save] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    config = model.config
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    expected = layers * tokens * (qkv + 7 * rank) * 2  # bf16
+    assert kept[True] - kept[False] == expected, (kept, expected)
+    assert grads[False].keys() == grads[True].keys() and grads[False]
+    for name in grads[False]:
+        torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_compiled_checkpointed_blocks_reuse_their_dropout_masks(dist_env, tiny_models):
@@ -183,7 +214,7 @@ def test_compiled_checkpointed_blocks_reuse_their_dropout_masks(dist_env, tiny_m
         with torch.no_grad():  # B starts at zero, which would hide A's gradient and any wrong mask in it
             for n, p in model.named_parameters():
                 if "lora_B" in n:
-                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)  # any device
         torch.manual_seed(7)
         try:
             model(**batch, use_cache=False).logits.float().square().mean().backward()

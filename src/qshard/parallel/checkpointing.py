@@ -74,12 +74,33 @@ def _draws_random_numbers(op, args, kwargs) -> bool:
     return True
 
 
-def _recompute_all_but_random(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    # Random draws keep their output: recomputed, they would draw another dropout mask in backward.
-    return CheckpointPolicy.MUST_SAVE if _draws_random_numbers(op, args, kwargs) else CheckpointPolicy.MUST_RECOMPUTE
+def _narrowing_matmul(op, args) -> bool:
+    """Whether this is a matmul whose output has no more columns than its contraction dimension: a block's
+    attention projections and LoRA's A factors, as opposed to the MLP's widening gate and up projections."""
+    if op is torch.ops.aten.mm.default:
+        weight = args[1]
+    elif op is torch.ops.aten.addmm.default:
+        weight = args[2]
+    else:
+        return False
+    return weight.shape[-1] <= weight.shape[-2]
 
 
-def traced_checkpoint(forward):
+def _policy(save_projections: bool):
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        # Random draws keep their output: recomputed, they would draw another dropout mask in backward.
+        if _draws_random_numbers(op, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        # Narrowing projections keep theirs when asked: the compiler keeps only those that backward reads
+        # (attention's q, k and v, each adapter's low-rank input), not the outputs of o_proj and down_proj.
+        if save_projections and _narrowing_matmul(op, args):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_RECOMPUTE
+
+    return policy
+
+
+def traced_checkpoint(forward, save_projections: bool = False):
     """`forward` checkpointed in a form the compiler traces into the block's graph.
 
     Why inside the graph: with the checkpoint around a compiled forward, backward re-runs that whole graph
@@ -89,8 +110,9 @@ def traced_checkpoint(forward):
     docs/benchmarks.md, 2026-12-01 (speed).
     Why every op is forced to recompute: a plain checkpoint only marks ops as preferably recomputed, and
     the compiler's partitioner then kept most of each block's activations for backward (28 GiB peak against
-    10.6 for the 8B shape at seq 2,048)."""
-    context = functools.partial(create_selective_checkpoint_contexts, _recompute_all_but_random)
+    10.6 for the 8B shape at seq 2,048). `save_projections` (parallel.ac_save_projections) exempts the
+    narrowing matmuls (`_narrowing_matmul`)."""
+    context = functools.partial(create_selective_checkpoint_contexts, _policy(save_projections))
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):

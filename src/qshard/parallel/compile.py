@@ -21,10 +21,13 @@ from qshard.parallel.checkpointing import traced_checkpoint
 INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 
-def compile_blocks(blocks: list[nn.Module], backend: str, checkpointed: list[nn.Module]) -> None:
-    """Compile each block's forward; those in `checkpointed` with the checkpoint traced into the graph."""
+def compile_blocks(
+    blocks: list[nn.Module], backend: str, checkpointed: list[nn.Module], save_projections: bool = False
+) -> None:
+    """Compile each block's forward; those in `checkpointed` with the checkpoint traced into the graph
+    (keeping the outputs of narrowing projections with `save_projections`)."""
     options = INDUCTOR_OPTIONS if backend == "inductor" else None
     chosen = {id(b) for b in checkpointed}
     for block in blocks:
-        forward = traced_checkpoint(block.forward) if id(block) in chosen else block.forward
+        forward = traced_checkpoint(block.forward, save_projections) if id(block) in chosen else block.forward
         block.forward = torch.compile(forward, backend=backend, options=options)

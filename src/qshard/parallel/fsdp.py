@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,6 +18,8 @@ from qshard.parallel.mesh import local_piece, shard_placements
 from qshard.parallel.offload import offload_policy, offload_quantized_storage
 from qshard.precision import precision
 from qshard.quant import QUANTIZED_LINEARS
+
+log = logging.getLogger("qshard")
 
 # Float dtypes that carry the quantized storage's bytes under FSDP2: codes (uint8) two to a bf16 element,
 # scales (fp32 bits kept as int32) as the fp32 values they are. Two different dtypes in every quantized layer.
@@ -107,9 +111,12 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     in_place_ids = {id(b) for b in in_place_blocks}
     trace = cfg.parallel.compile and cfg.lora.dropout == 0
     traced = [b for b in checkpointed_blocks(blocks, cfg.parallel) if id(b) in in_place_ids and trace]
+    if cfg.parallel.ac_save_projections and not traced:  # the config allowed it; the world size does not
+        log.warning("parallel.ac_save_projections has no effect: no block is checkpointed inside its compiled "
+                    "graph (world size %d)", mesh.size())
     apply_activation_checkpointing(model, blocks, cfg.parallel, traced)
     if cfg.parallel.compile:
-        compile_blocks(blocks, cfg.parallel.compile_backend, traced)
+        compile_blocks(blocks, cfg.parallel.compile_backend, traced, cfg.parallel.ac_save_projections)
     offload = offload_policy(cfg)
     # Blocks whose quantized storage FSDP2 gathers must not be cast (see carry_storage_in_float): their
     # units gather every parameter in its stored dtype, and the adapters cast their weights to the compute
