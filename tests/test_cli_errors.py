@@ -83,10 +83,11 @@ def write_index(model_dir: Path, weight_map: dict[str, str]) -> None:
 # ----------------------------------------------------------------------------------------------- running
 
 
-def run_subprocess(args: list[str], cwd: Path, timeout: float = 240) -> tuple[int, str]:
+def run_subprocess(args: list[str], cwd: Path, timeout: float = 240, first_path: Path | None = None
+                   ) -> tuple[int, str]:
     launched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
     env = {k: v for k, v in os.environ.items() if k not in launched}
-    env.update(PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=os.pathsep.join(str(p) for p in (first_path, SRC) if p), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "qshard", "train", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
@@ -161,6 +162,30 @@ def test_malformed_jsonl_two_ranks_reports_once(inputs, tmp_path):
     assert err.count(line) == 1, err
     # assert_one_error allows no other line: no failure report from the launcher or from rank 1.
     assert_no_run(out)
+
+
+def test_error_on_one_rank_only_is_reported_with_its_rank(inputs, tmp_path):
+    """An error that only rank 1 meets (here injected at its start: a sitecustomize module that Python runs
+    in every process, acting in rank 1 only) still reaches the user, once, naming the rank: rank 0, which
+    alone used to print errors, never sees it and is stopped by the launcher."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import qshard.build\n"
+        "    from qshard.errors import QShardError\n"
+        "    def fail(*args, **kwargs):\n"
+        "        raise QShardError('/data/shard-1: injected failure on rank 1 only')\n"
+        "    qshard.build.build_model = fail\n"
+    )
+    out = tmp_path / "out"
+    code, err = run_subprocess(train_args(inputs / "model", inputs / "data.jsonl", out, "--nproc", "2"), tmp_path,
+                               first_path=inject)
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("qshard: error")]
+    assert errors == ["qshard: error (rank 1): /data/shard-1: injected failure on rank 1 only"], err
+    assert "Traceback" not in err, err
 
 
 # ----------------------------------------------------------------------------------------- model directory

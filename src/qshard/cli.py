@@ -10,14 +10,20 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 import traceback
 import typing
 import uuid
+from pathlib import Path
 
 from qshard import config as config_mod
 from qshard.errors import QShardError
 
 log = logging.getLogger("qshard")
+
+# Set by `launch` for the processes it starts: where each writes its QShardError's message (rank<N>.txt)
+# instead of printing it, so that the launcher prints each distinct error once, whichever ranks raised it.
+ERROR_DIR_ENV = "QSHARD_ERROR_DIR"
 
 # Short flags for the keys scripts set most; each maps to one dotted key.
 SHORTCUTS = {
@@ -176,12 +182,45 @@ def launch(nproc: int, argv: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.2,
     )
-    try:
-        elastic_launch(config, sys.executable)("-m", "qshard", *argv)
-    except ChildFailedError as exc:
-        codes = [f.exitcode for f in exc.failures.values() if f.exitcode]
-        return codes[0] if codes else 1
+    with tempfile.TemporaryDirectory(prefix="qshard-errors-") as errors:
+        os.environ[ERROR_DIR_ENV] = errors
+        try:
+            elastic_launch(config, sys.executable)("-m", "qshard", *argv)
+        except ChildFailedError as exc:
+            if _print_worker_errors(Path(errors), nproc):
+                return 2
+            codes = [f.exitcode for f in exc.failures.values() if f.exitcode]
+            return codes[0] if codes else 1
+        finally:
+            del os.environ[ERROR_DIR_ENV]
     return 0
+
+
+def _print_worker_errors(errors: Path, nproc: int) -> bool:
+    """Print each distinct error the workers reported once, naming the ranks unless all of them or rank 0
+    raised it (an error only some ranks saw, e.g. a file only they could not read, would otherwise be lost:
+    rank 0 alone prints). Returns whether any worker reported one."""
+    by_message: dict[str, list[int]] = {}
+    for path in sorted(errors.glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
+        by_message.setdefault(path.read_text(), []).append(int(path.stem[4:]))
+    for message, ranks in by_message.items():
+        where = "" if 0 in ranks or len(ranks) == nproc else f" (rank {', '.join(map(str, ranks))})"
+        print(f"qshard: error{where}: {message}", file=sys.stderr)
+    return bool(by_message)
+
+
+def _report_error(exc: QShardError) -> None:
+    """One line, even when a library's message we pass on spans several: printed by rank 0 (every rank
+    usually meets the same bad input), handed to our launcher by the processes it started, and printed
+    with its rank by the other ranks of an outside launcher (torchrun, srun), which may be alone in it."""
+    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    rank, errors = _rank(), os.environ.get(ERROR_DIR_ENV)
+    if errors and _launched():
+        (Path(errors) / f"rank{rank}.txt").write_text(message)
+    elif rank == 0:
+        print(f"qshard: error: {message}", file=sys.stderr)
+    else:
+        print(f"qshard: error (rank {rank}): {message}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,10 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         run_training(cfg)
         return 0
     except QShardError as exc:
-        if _rank() == 0:
-            # One line, even when a library's message we pass on spans several.
-            message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-            print(f"qshard: error: {message}", file=sys.stderr)
+        _report_error(exc)
         return 2
     except KeyboardInterrupt:
         return 130
