@@ -350,6 +350,9 @@ def test_demo_preset_applies_without_model_and_data():
     assert cfg.train.max_steps == DEMO_PRESET["train"]["max_steps"]
     assert cfg.optim.lr == DEMO_PRESET["optim"]["lr"] and cfg.lora.rank == DEMO_PRESET["lora"]["rank"]
     assert cfg.data.max_length == DEMO_PRESET["data"]["max_length"]
+    assert cfg.train.precision == "fp32"
+    # model.dtype, the older spelling of the precision, is the user's choice too: no contradiction raised.
+    assert parse("--model.dtype", "bfloat16").train.precision is None
 
 
 @pytest.mark.parametrize("argv", [["--model", "m"], ["--data", "d.jsonl"], ["--model.path=m", "--data=d"]])
