@@ -355,7 +355,9 @@ def test_demo_preset_applies_without_model_and_data():
     assert parse("--model.dtype", "bfloat16").train.precision is None
 
 
-@pytest.mark.parametrize("argv", [["--model", "m"], ["--data", "d.jsonl"], ["--model.path=m", "--data=d"]])
+@pytest.mark.parametrize(
+    "argv", [["--model", "m"], ["--data", "d.jsonl"], ["--model.path=m", "--data=d"], ["--model.shape", "llama3-8b"]]
+)
 def test_demo_preset_not_applied_when_model_or_data_given(argv):
     cfg = parse(*argv)
     assert (cfg.train, cfg.optim, cfg.lora, cfg.data.max_length) == (

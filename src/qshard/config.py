@@ -527,9 +527,12 @@ def _merge_under(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def is_demo(tree: dict[str, Any]) -> bool:
+    """No model (neither a directory nor a named shape) and no data: the embedded demo. A named shape without
+    data trains on the demo's data but is the user's model, so the tiny model's preset is not applied."""
     model, data = tree.get("model") or {}, tree.get("data") or {}
     has_data = isinstance(data, dict) and (data.get("path") or data.get("sources"))
-    return not (isinstance(model, dict) and model.get("path")) and not has_data
+    has_model = isinstance(model, dict) and (model.get("path") or model.get("shape"))
+    return not has_model and not has_data
 
 
 def resolve(yaml_path: str | None, overrides: list[tuple[str, str]]) -> Config:
