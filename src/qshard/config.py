@@ -156,8 +156,10 @@ class TrainConfig:
     # Plain log line every N steps when output is not a terminal.
     log_every: int = 1
     # Cross-entropy over this many tokens at a time, so the [tokens, vocab] logits never exist whole
-    # (for architectures with a plain output head); 0 computes the full logits.
-    loss_chunk_tokens: int = 1024
+    # (for architectures with a plain output head); 0 computes the full logits. 512 rather than 1,024: the
+    # start of backward (one chunk's logits, their fp32 copy and gradient: ~1.5 GiB at 1,024 over a 128k
+    # vocabulary) set the 8B step's peak at seq 2,048 (benchmarks/memory_peak.py, docs/benchmarks.md).
+    loss_chunk_tokens: int = 512
 
 
 @dataclass
