@@ -18,37 +18,27 @@ import linecache
 from collections import defaultdict
 
 import torch
-from step_phases import _examples
+from step_phases import build_trainer, run_phases
 
-from qshard import config as config_mod
-from qshard.build import build_model
-from qshard.parallel.distributed import init_distributed
 from qshard.train.loop import Trainer
-from qshard.train.optim import clip_grad_norm
 
 GiB = 2**30
 
 
 def _phase_peaks(trainer: Trainer, step: int) -> dict[str, float]:
     """Each phase's own peak above what was live before the step, GiB."""
-    batch = trainer._batch(trainer.sampler.microbatches(step)[0])
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     out = {}
 
-    def phase(name, fn):
+    def peak(name, fn):
         torch.cuda.reset_peak_memory_stats()
         result = fn()
         torch.cuda.synchronize()
         out[name] = round((torch.cuda.max_memory_allocated() - base) / GiB, 3)
         return result
 
-    loss = phase("forward", lambda: trainer.loss_sum(trainer.model, batch))
-    phase("backward", lambda: (loss / batch["input_ids"].numel()).backward())
-    phase("clip", lambda: (trainer.scaler.unscale_(trainer.optimizer),
-                           clip_grad_norm(trainer.params, trainer.cfg.optim.max_grad_norm)))
-    phase("optimizer", lambda: (trainer.scaler.step(trainer.optimizer), trainer.scaler.update()))
-    phase("zero_grad", lambda: trainer.optimizer.zero_grad(set_to_none=True))
+    run_phases(trainer, step, peak)
     return out
 
 
@@ -128,13 +118,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
     args, extra = p.parse_known_args()
-    overrides = [("model.shape", args.shape), ("data.max_length", str(args.seq)), ("lora.rank", "64"),
-                 ("lora.alpha", "16"), ("train.micro_batch_size", "1")]
-    overrides += [(extra[i][2:], extra[i + 1]) for i in range(0, len(extra), 2)]
-    cfg = config_mod.resolve(None, overrides)
-    env = init_distributed()
-    model, _ = build_model(cfg, env, None)
-    trainer = Trainer(cfg, env, model, _examples(args.warmup + 4, args.seq), [], 0)
+    trainer = build_trainer(args, extra, args.warmup + 4)
     for step in range(args.warmup):
         trainer.step(step)
     result = {"shape": args.shape, "seq": args.seq, "overrides": extra,

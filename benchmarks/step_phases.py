@@ -35,11 +35,21 @@ def _examples(n: int, seq: int) -> list[Example]:
     return [Example(ids := torch.randint(3, 250, (seq,), generator=g).tolist(), ids) for _ in range(n)]
 
 
+def run_phases(trainer: Trainer, step: int, measure) -> None:
+    """The training step of train/loop.py, phase by phase, each run as `measure(name, fn)`."""
+    batch = trainer._batch(trainer.sampler.microbatches(step)[0])
+    loss = measure("forward", lambda: trainer.loss_sum(trainer.model, batch))
+    measure("backward", lambda: (loss / batch["input_ids"].numel()).backward())
+    measure("clip", lambda: (trainer.scaler.unscale_(trainer.optimizer),
+                             clip_grad_norm(trainer.params, trainer.cfg.optim.max_grad_norm)))
+    measure("optimizer", lambda: (trainer.scaler.step(trainer.optimizer), trainer.scaler.update()))
+    measure("zero_grad", lambda: trainer.optimizer.zero_grad(set_to_none=True))
+
+
 def _phases(trainer: Trainer, step: int) -> dict[str, tuple[float, float]]:
-    """The training step of train/loop.py, phase by phase: (host seconds, wall seconds) for each."""
+    """(host seconds, wall seconds) of each phase."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     out = {}
-    batch = trainer._batch(trainer.sampler.microbatches(step)[0])
 
     def timed(name, fn):
         sync()
@@ -50,13 +60,20 @@ def _phases(trainer: Trainer, step: int) -> dict[str, tuple[float, float]]:
         out[name] = (t1 - t0, time.perf_counter() - t0)
         return result
 
-    loss = timed("forward", lambda: trainer.loss_sum(trainer.model, batch))
-    timed("backward", lambda: (loss / 2048).backward())
-    timed("clip", lambda: (trainer.scaler.unscale_(trainer.optimizer),
-                           clip_grad_norm(trainer.params, trainer.cfg.optim.max_grad_norm)))
-    timed("optimizer", lambda: (trainer.scaler.step(trainer.optimizer), trainer.scaler.update()))
-    timed("zero_grad", lambda: trainer.optimizer.zero_grad(set_to_none=True))
+    run_phases(trainer, step, timed)
     return out
+
+
+def build_trainer(args: argparse.Namespace, extra: list[str], examples: int) -> Trainer:
+    """The benchmarks' trainer: the named shape with random weights, LoRA r=64, batch 1, `examples` random
+    examples of `args.seq` tokens, and any `--section.key VALUE` options in `extra`."""
+    overrides = [("model.shape", args.shape), ("data.max_length", str(args.seq)), ("lora.rank", "64"),
+                 ("lora.alpha", "16"), ("train.micro_batch_size", "1")]
+    overrides += [(extra[i][2:], extra[i + 1]) for i in range(0, len(extra), 2)]
+    cfg = config_mod.resolve(None, overrides)
+    env = init_distributed()
+    model, _ = build_model(cfg, env, None)
+    return Trainer(cfg, env, model, _examples(examples, args.seq), [], 0)
 
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -127,13 +144,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     args, extra = p.parse_known_args()
-    overrides = [("model.shape", args.shape), ("data.max_length", str(args.seq)), ("lora.rank", "64"),
-                 ("lora.alpha", "16"), ("train.micro_batch_size", "1")]
-    overrides += [(extra[i][2:], extra[i + 1]) for i in range(0, len(extra), 2)]
-    cfg = config_mod.resolve(None, overrides)
-    env = init_distributed()
-    model, _ = build_model(cfg, env, None)
-    trainer = Trainer(cfg, env, model, _examples(args.warmup + 2 * args.steps + 2, args.seq), [], 0)
+    trainer = build_trainer(args, extra, args.warmup + 2 * args.steps + 2)
     for step in range(args.warmup):
         trainer.step(step)
 
