@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from qshard import export
 from qshard.checkpoint import STATE_FILE, complete_checkpoints
+from qshard.cli import main as cli_main
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.train.run import train
@@ -38,6 +39,17 @@ def _args(model_dir, out, *extra):
 def _run(args, **kw):
     proc = subprocess.run(args, env=cli_env(), capture_output=True, text=True, timeout=300, **kw)
     return proc
+
+
+def _run_here(args, capsys):
+    """`args` through `qshard.cli.main` in this process: the same path from argv to exit code and stderr as
+    `_run`, without starting Python and importing torch again (most of a short run's time). For runs that
+    need no process of their own (a signal, a resource limit) and whose losses are not compared bit for bit
+    with another process's."""
+    assert args[:3] == cli()
+    capsys.readouterr()
+    code = cli_main(args[3:])
+    return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
 
 
 def _losses(out):
@@ -105,7 +117,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(uninterrupted, tiny_model
     assert not any(p.suffix == ".tmp" for p in (out / "checkpoints").iterdir())
 
 
-def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path):
+def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path, capsys):
     """Saved by 2 ranks, resumed by 1 with the same global batch: DCP reshards, the data order goes on.
     (No dropout here: its masks depend on how the batch is split over ranks.)"""
     two = tmp_path / "ws2"
@@ -113,8 +125,8 @@ def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path):
                       "--checkpoint.keep_last", "5", "--lora.dropout", "0"))
     assert proc.returncode == 0, proc.stderr
     one = tmp_path / "ws1"
-    resumed = _run(_args(tiny_models("llama"), one, "--resume", str(two / "checkpoints" / "step-00000012"),
-                         "--lora.dropout", "0", "--save-every", "6"))
+    resumed = _run_here(_args(tiny_models("llama"), one, "--resume", str(two / "checkpoints" / "step-00000012"),
+                              "--lora.dropout", "0", "--save-every", "6"), capsys)
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 12" in resumed.stderr
     torch.testing.assert_close(torch.tensor(_losses(one)), torch.tensor(_losses(two)[12:]), rtol=1e-5, atol=1e-5)
@@ -128,14 +140,14 @@ def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path):
     torch.testing.assert_close(torch.tensor(_losses(again)), torch.tensor(_losses(two)[18:]), rtol=1e-5, atol=1e-5)
 
 
-def test_exported_adapter_and_merged_model(uninterrupted, tiny_models, tmp_path):
-    proc = _run(cli("export", "adapter", "--run", str(uninterrupted), "--out", str(tmp_path / "adapter")))
+def test_exported_adapter_and_merged_model(uninterrupted, tiny_models, tmp_path, capsys):
+    proc = _run_here(cli("export", "adapter", "--run", str(uninterrupted), "--out", str(tmp_path / "adapter")), capsys)
     assert proc.returncode == 0, proc.stderr
     ours = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     trained = load_file(uninterrupted / "adapter" / "adapter_model.safetensors")
     assert ours.keys() == trained.keys() and all(torch.equal(ours[k], trained[k]) for k in ours)
 
-    proc = _run(cli("export", "merged", "--run", str(uninterrupted), "--out", str(tmp_path / "merged")))
+    proc = _run_here(cli("export", "merged", "--run", str(uninterrupted), "--out", str(tmp_path / "merged")), capsys)
     assert proc.returncode == 0, proc.stderr
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged").dtype == torch.bfloat16
     # Computed in fp32 from the stored bf16 weights, so that only the weights' rounding is compared.
@@ -201,12 +213,12 @@ def _error_line(proc):
     return lines[0]
 
 
-def test_resume_refuses_another_base_model(uninterrupted, tiny_models, tmp_path):
+def test_resume_refuses_another_base_model(uninterrupted, tiny_models, tmp_path, capsys):
     ckpt = uninterrupted / "checkpoints" / f"step-{STEPS:08d}"
     other = tiny_models("llama", seed=5)
-    proc = _run(_args(other, tmp_path / "x", "--resume", str(ckpt)))
+    proc = _run_here(_args(other, tmp_path / "x", "--resume", str(ckpt)), capsys)
     assert "another base model" in _error_line(proc)
-    proc = _run(_args(tiny_models("llama"), tmp_path / "y", "--resume", str(ckpt), "--lora-rank", "4"))
+    proc = _run_here(_args(tiny_models("llama"), tmp_path / "y", "--resume", str(ckpt), "--lora-rank", "4"), capsys)
     assert "lora.rank" in _error_line(proc)
     assert not (tmp_path / "x" / "config.yaml").exists() and not (tmp_path / "y" / "config.yaml").exists()
 
@@ -224,24 +236,24 @@ def test_resume_refuses_another_quantized_base():
         check_compatible(Path("ck"), state, cfg.validate(), "f")
 
 
-def test_corrupt_checkpoint_is_a_clear_error(uninterrupted, tiny_models, tmp_path):
+def test_corrupt_checkpoint_is_a_clear_error(uninterrupted, tiny_models, tmp_path, capsys):
     import shutil
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(uninterrupted / "checkpoints" / f"step-{STEPS:08d}", ckpt)
     shard = next(ckpt.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = _run(_args(tiny_models("llama"), tmp_path / "x", "--resume", str(ckpt)))
+    proc = _run_here(_args(tiny_models("llama"), tmp_path / "x", "--resume", str(ckpt)), capsys)
     assert str(ckpt) in _error_line(proc)
     (ckpt / STATE_FILE).write_text("{not json")
-    proc = _run(_args(tiny_models("llama"), tmp_path / "y", "--resume", str(ckpt)))
+    proc = _run_here(_args(tiny_models("llama"), tmp_path / "y", "--resume", str(ckpt)), capsys)
     assert "trainer_state.json:1" in _error_line(proc)
 
 
-def test_full_disk_during_save_leaves_previous_checkpoint(tiny_models, tmp_path):
+def test_full_disk_during_save_leaves_previous_checkpoint(tiny_models, tmp_path, capsys):
     out = tmp_path / "run"
     args = _args(tiny_models("llama"), out, "--max-steps", "4", "--save-every", "2", "--checkpoint.async_save", "false")
-    first = _run(args)
+    first = _run_here(args, capsys)
     assert first.returncode == 0, first.stderr
     before = {p.name: (p / STATE_FILE).read_bytes() for p in complete_checkpoints(out / "checkpoints")}
 
@@ -259,12 +271,12 @@ def test_full_disk_during_save_leaves_previous_checkpoint(tiny_models, tmp_path)
 
 
 @pytest.mark.parametrize("how", ["fsdp", "dtensor"])
-def test_checkpoint_holds_only_what_trains(tiny_models, tmp_path, how):
+def test_checkpoint_holds_only_what_trains(tiny_models, tmp_path, capsys, how):
     """The frozen base (NF4 codes and scales, params or DTensor buffers) is rebuilt, never saved."""
     from torch.distributed.checkpoint import FileSystemReader
 
     out = tmp_path / "run"
-    proc = _run(_args(tiny_models("llama"), out, "--max-steps", "2", "--parallel.quant_sharding", how))
+    proc = _run_here(_args(tiny_models("llama"), out, "--max-steps", "2", "--parallel.quant_sharding", how), capsys)
     assert proc.returncode == 0, proc.stderr
     keys = FileSystemReader(str(complete_checkpoints(out / "checkpoints")[-1])).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]
@@ -284,7 +296,7 @@ def test_full_finetune_checkpoint_and_consolidated_export(tiny_models, tmp_path,
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
 
-def test_sigusr1_saves_and_exits_and_partial_checkpoints_are_refused(tiny_models, tmp_path):
+def test_sigusr1_saves_and_exits_and_partial_checkpoints_are_refused(tiny_models, tmp_path, capsys):
     out = tmp_path / "run"
     args = _args(tiny_models("llama"), out, "--save-every", "100")
     started = lambda o: (o / "metrics.jsonl").is_file() and (o / "metrics.jsonl").read_text().count("\n") >= 2  # noqa: E731
@@ -294,8 +306,9 @@ def test_sigusr1_saves_and_exits_and_partial_checkpoints_are_refused(tiny_models
     partial = saved.with_name(saved.name + ".tmp")
     saved.rename(partial)
     (partial / STATE_FILE).unlink()  # what a save killed before its end leaves behind
-    refused = _run(_args(tiny_models("llama"), tmp_path / "other", "--resume", str(partial)))
+    refused = _run_here(_args(tiny_models("llama"), tmp_path / "other", "--resume", str(partial)), capsys)
     assert "not a complete qshard checkpoint" in _error_line(refused)
-    fresh = _run(args + ["--resume", "auto", "--max-steps", "2"])  # auto ignores the partial one: a fresh start
+    # auto ignores the partial one: a fresh start
+    fresh = _run_here(args + ["--resume", "auto", "--max-steps", "2"], capsys)
     assert fresh.returncode == 0, fresh.stderr
     assert "resumed from" not in fresh.stderr
