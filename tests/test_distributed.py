@@ -26,6 +26,13 @@ def _train(tmp_path, tiny_models, name, nproc, grad_accum, quant_sharding="auto"
         "--max-steps", "4", "--lr", "1e-2", "--model.dtype", "float32", "--data.max_length", "48",
         "--train.eval_every", "0", "--optim.warmup_steps", "0", "--parallel.quant_sharding", quant_sharding,
     )
+    if nproc == 1:
+        # The same command in this process (qshard.cli.main, as `python -m qshard` calls it): a world of one
+        # needs no process of its own, and a Python start with torch's imports is most of this run's time.
+        from qshard.cli import main
+
+        assert main(args[3:]) == 0
+        return out
     proc = subprocess.run(args, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return out
@@ -70,7 +77,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sharding_worker(rank: int, world: int, port: int, model_dir: str, result_dir: str, how: str) -> None:
+QUANT_SHARDINGS = ("fsdp", "dtensor")
+
+
+def _sharding_worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     from qshard.build import build_model
@@ -79,37 +89,48 @@ def _sharding_worker(rank: int, world: int, port: int, model_dir: str, result_di
     from qshard.quant import NF4Linear
 
     env = init_distributed()
-    cfg = Config()
-    cfg.train.train_type = "qlora"
-    cfg.parallel.quant_sharding = how
-    model, _ = build_model(cfg, env, model_dir)
-    layer = model.model.layers[0]
-    q = layer.self_attn.q_proj.base
-    assert isinstance(q, NF4Linear)
-    quant_buffers = [(n, b) for n, b in layer.named_buffers() if n.endswith(("packed", "absmax"))]
-    stored = list(layer.named_parameters()) + quant_buffers
-    local = {n: p.to_local().clone() for n, p in stored}
-    if how == "fsdp":
-        layer.unshard()  # FSDP2's all-gather, as the forward does it
-        gathered = {"packed": q.packed.detach().clone(), "absmax": q.absmax.detach().clone()}
-        layer.reshard()
-    else:
-        gathered = {"packed": q.packed.full_tensor(), "absmax": q.absmax.full_tensor()}
-    local_bytes = sum(t.numel() * t.element_size() for t in local.values())
-    torch.save({"local_bytes": local_bytes, "gathered": gathered,
-                "local_packed_rows": local["self_attn.q_proj.base.packed"].shape[0]},
-               f"{result_dir}/rank{rank}.pt")
+    results = {}
+    for how in QUANT_SHARDINGS:  # one model after the other in the same two processes
+        cfg = Config()
+        cfg.train.train_type = "qlora"
+        cfg.parallel.quant_sharding = how
+        model, _ = build_model(cfg, env, model_dir)
+        layer = model.model.layers[0]
+        q = layer.self_attn.q_proj.base
+        assert isinstance(q, NF4Linear)
+        quant_buffers = [(n, b) for n, b in layer.named_buffers() if n.endswith(("packed", "absmax"))]
+        stored = list(layer.named_parameters()) + quant_buffers
+        local = {n: p.to_local().clone() for n, p in stored}
+        if how == "fsdp":
+            layer.unshard()  # FSDP2's all-gather, as the forward does it
+            gathered = {"packed": q.packed.detach().clone(), "absmax": q.absmax.detach().clone()}
+            layer.reshard()
+        else:
+            gathered = {"packed": q.packed.full_tensor(), "absmax": q.absmax.full_tensor()}
+        local_bytes = sum(t.numel() * t.element_size() for t in local.values())
+        results[how] = {"local_bytes": local_bytes, "gathered": gathered,
+                        "local_packed_rows": local["self_attn.q_proj.base.packed"].shape[0]}
+        del model, layer, q
+    torch.save(results, f"{result_dir}/rank{rank}.pt")
     shutdown()
 
 
-@pytest.mark.parametrize("how", ["fsdp", "dtensor"])
-def test_quantized_storage_is_sharded_and_gathered_exactly(tmp_path, tiny_models, how):
+@pytest.fixture(scope="module")
+def sharded_storage(tmp_path_factory, tiny_models):
+    """Both quantized-storage shardings measured by one pair of spawned ranks: starting two processes (Python
+    and torch's imports, each) costs more than both measurements."""
+    out = tmp_path_factory.mktemp("storage")
+    mp.spawn(_sharding_worker, args=(2, _free_port(), str(tiny_models("llama")), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("how", QUANT_SHARDINGS)
+def test_quantized_storage_is_sharded_and_gathered_exactly(sharded_storage, tiny_models, how):
     from qshard.loading import Checkpoint
     from qshard.quant import quantize_nf4
 
     model_dir = tiny_models("llama")
-    mp.spawn(_sharding_worker, args=(2, _free_port(), str(model_dir), str(tmp_path), how), nprocs=2, join=True)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    results = [by_how[how] for by_how in sharded_storage]
     weight = Checkpoint(model_dir).read("model.layers.0.self_attn.q_proj.weight")
     packed, absmax = quantize_nf4(weight, 64)
     for res in results:
