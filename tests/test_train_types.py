@@ -1,16 +1,20 @@
 """The DoRA and HQQ train types on a tiny Llama: each trains (its held-out loss falls) at world size 1, in
-this process, and at world size 2 through the real CLI (two gloo processes), where its losses equal world
-size 1's step by step (same global batch: 2 ranks x 1 micro-batch against 1 rank x 2)."""
+this process, and at world size 2 through the CLI's entry point in two gloo processes, where its losses equal
+world size 1's step by step (same global batch: 2 ranks x 1 micro-batch against 1 rank x 2)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
+import os
+import socket
+import time
 from importlib import resources
 
 import pytest
 import torch
-from conftest import cli, cli_env
+import torch.multiprocessing as mp
 
 from qshard import config as config_mod
 from qshard.expand import expand_checkpoint
@@ -57,36 +61,81 @@ def _losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        [("train.train_type", "lora")],
-        [("train.train_type", "full")],
-        [("train.train_type", "llama_pro"), ("model.path", EXPANDED)],
-        [("train.train_type", "dora")],
-        [("train.train_type", "qdora")],
-        [
-            ("train.train_type", "qdora"),
-            ("quant.method", "hqq"),
-            ("quant.bits", "2"),
-            ("parallel.quant_sharding", "dtensor"),
-        ],
+TRAIN_TYPES = {
+    "lora": [("train.train_type", "lora")],
+    "full": [("train.train_type", "full")],
+    "llama_pro": [("train.train_type", "llama_pro"), ("model.path", EXPANDED)],
+    "dora": [("train.train_type", "dora")],
+    "qdora-nf4": [("train.train_type", "qdora")],
+    "qdora-hqq2-dtensor": [
+        ("train.train_type", "qdora"),
+        ("quant.method", "hqq"),
+        ("quant.bits", "2"),
+        ("parallel.quant_sharding", "dtensor"),
     ],
-    ids=["lora", "full", "llama_pro", "dora", "qdora-nf4", "qdora-hqq2-dtensor"],
-)
-def test_world_size_2_trains_and_matches_world_size_1(extra, options, expanded, tmp_path, dist_env):
-    extra = [(key, str(expanded) if value == EXPANDED else value) for key, value in extra]
+}
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:  # all bound at once: n different ports
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _ws2_rank(rank: int, runs: dict[str, list[str]], ports: list[int], result_dir: str) -> None:
+    """One of two ranks, set up as torchrun sets up the processes `qshard train --nproc 2` starts; it runs
+    `qshard train`'s entry point on each command line in turn, each run in its own process group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE="2")
+    from qshard.cli import main
+
+    results = {}
+    for (name, argv), port in zip(runs.items(), ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            code = main(argv)
+        results[name] = {"code": code, "stderr": stderr.getvalue()}
+    with open(f"{result_dir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def world_size_2(options, expanded, tmp_path_factory):
+    """Every train type's world-size-2 run, in one pair of spawned processes: a process start (Python, torch's
+    imports, the launcher) costs far more than such a run, and the launcher is the same for every train type
+    (test_distributed and others run it). Returns {train type: (output dir, {rank: (exit code, stderr)})}."""
+    root = tmp_path_factory.mktemp("ws2")
+    runs = {}
+    for name, extra in TRAIN_TYPES.items():
+        extra = [(key, str(expanded) if value == EXPANDED else value) for key, value in extra]
+        args = [arg for key, value in options + extra for arg in (f"--{key}", value)]
+        runs[name] = ["train", *args, "--nproc", "2", "--train.grad_accum", "1", "--output-dir", str(root / name)]
+    context = mp.start_processes(_ws2_rank, args=(runs, _free_ports(len(runs)), str(root)), nprocs=2, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + 300 * len(runs)  # what the former per-run subprocesses were allowed
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the world-size-2 runs did not finish in time")
+    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+    return {name: (root / name, {r: (ranks[r][name]["code"], ranks[r][name]["stderr"]) for r in range(2)})
+            for name in runs}
+
+
+@pytest.mark.parametrize("name", list(TRAIN_TYPES))
+def test_world_size_2_trains_and_matches_world_size_1(name, options, expanded, world_size_2, tmp_path, dist_env):
+    extra = [(key, str(expanded) if value == EXPANDED else value) for key, value in TRAIN_TYPES[name]]
     one = _in_process(options, extra, tmp_path / "ws1", dist_env)
-    args = [arg for key, value in options + extra for arg in (f"--{key}", value)]
-    two = tmp_path / "ws2"
-    proc = subprocess.run(
-        cli("train", *args, "--nproc", "2", "--train.grad_accum", "1", "--output-dir", str(two)),
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    two, ranks = world_size_2[name]
+    for rank, (code, stderr) in ranks.items():
+        assert code == 0, (rank, stderr)
     summary = json.loads((two / "summary.json").read_text())
     assert (one.summary["world_size"], summary["world_size"]) == (1, 2)
     for s in (one.summary, summary):
