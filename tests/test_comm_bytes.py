@@ -8,7 +8,7 @@ import os
 import socket
 
 import pytest
-import torch.multiprocessing as mp
+from conftest import spawn
 
 RUNS = [("lora", "auto"), ("qlora", "fsdp"), ("qlora", "dtensor")]
 LAYERS, LINEARS = 2, 7  # tiny_models' llama: 2 blocks of q, k, v, o, gate, up, down
@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 def measured(tmp_path_factory, tiny_models):
     model_dir = tiny_models("llama")  # hidden 128, intermediate 256: every block linear's in_features % 64 == 0
     out = tmp_path_factory.mktemp("comm")
-    mp.spawn(_worker, args=(2, _free_port(), str(model_dir), str(out)), nprocs=2, join=True)
+    spawn(_worker, (2, _free_port(), str(model_dir), str(out)))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

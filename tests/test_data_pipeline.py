@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import spawn
 
 from qshard.config import ColumnsConfig, Config, SourceConfig
 from qshard.data import PackedExamples, load_datasets, load_examples
@@ -214,13 +215,11 @@ def _two_ranks(rank: int, world: int, init_file: str, paths: list[str], cache: s
 
 
 def test_two_ranks_share_one_tokenization_and_its_errors(tmp_path):
-    import torch.multiprocessing as mp
-
     good = write_jsonl(tmp_path / "good.jsonl", records(12))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(records(1)[0]) + "\n{broken\n")
     args = (2, str(tmp_path / "init"), [str(good), str(bad)], str(tmp_path / "cache"), str(tmp_path))
-    mp.start_processes(_two_ranks, args=args, nprocs=2, start_method="spawn")
+    spawn(_two_ranks, args)
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
     assert len(ranks[1][0]["examples"]) == 12

@@ -9,8 +9,7 @@ import subprocess
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import cli, cli_env
+from conftest import cli, cli_env, spawn
 from safetensors.torch import load_file
 
 
@@ -120,7 +119,7 @@ def sharded_storage(tmp_path_factory, tiny_models):
     """Both quantized-storage shardings measured by one pair of spawned ranks: starting two processes (Python
     and torch's imports, each) costs more than both measurements."""
     out = tmp_path_factory.mktemp("storage")
-    mp.spawn(_sharding_worker, args=(2, _free_port(), str(tiny_models("llama")), str(out)), nprocs=2, join=True)
+    spawn(_sharding_worker, (2, _free_port(), str(tiny_models("llama")), str(out)))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

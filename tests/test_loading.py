@@ -11,8 +11,7 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import SRC
+from conftest import SRC, spawn
 from safetensors.torch import load_file, save_file
 from test_train import _config
 
@@ -304,7 +303,7 @@ def test_broadcast_load_matches_each_rank_load(tiny_models, tmp_path):
     model_dir = tiny_models("llama")
     broken = _copy(model_dir, tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"\x10\x00")
-    mp.spawn(_load_worker, args=(2, _free_port(), str(model_dir), str(broken), str(tmp_path)), nprocs=2, join=True)
+    spawn(_load_worker, (2, _free_port(), str(model_dir), str(broken), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for each, sent in ((r["each_rank"], r["broadcast"]) for r in results):
         assert each.keys() == sent.keys()

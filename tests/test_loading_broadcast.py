@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn
 from test_loading import _free_port
 from test_train import _config
 
@@ -44,7 +44,7 @@ def _train_worker(rank: int, world: int, port: int, model_dir: str, tmp: str) ->
 
 def test_broadcast_training_without_the_model_directory(tiny_models, tmp_path):
     model_dir = tiny_models("llama")
-    mp.spawn(_train_worker, args=(2, _free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    spawn(_train_worker, (2, _free_port(), str(model_dir), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     assert [r["summary"]["steps"] for r in results] == [2, 2]
     # Each rank's codes and scales are its rows of the whole weight quantized at once.

@@ -9,7 +9,7 @@ import os
 import socket
 
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn
 
 from qshard.config import resolve
 
@@ -109,7 +109,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -
 
 def test_offloaded_storage_world_size_2(tmp_path, tiny_models):
     model_dir = tiny_models("llama")
-    mp.spawn(_worker, args=(2, _free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (2, _free_port(), str(model_dir), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for method in ("nf4", "hqq"):
         assert results[0][method]["losses"] == results[1][method]["losses"]

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn
 
 from qshard.config import Config, from_dict
 from qshard.errors import QShardError
@@ -144,7 +144,7 @@ def _overflow(env, model_dir) -> dict:
 @pytest.fixture(scope="module")
 def world_size_2(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("prec2")
-    mp.spawn(_worker, args=(2, _free_port(), str(tiny_models("llama")), str(out)), nprocs=2, join=True)
+    spawn(_worker, (2, _free_port(), str(tiny_models("llama")), str(out)))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

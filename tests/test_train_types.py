@@ -14,7 +14,7 @@ from importlib import resources
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn
 
 from qshard import config as config_mod
 from qshard.expand import expand_checkpoint
@@ -116,8 +116,7 @@ def world_size_2(options, expanded, tmp_path_factory):
         extra = [(key, str(expanded) if value == EXPANDED else value) for key, value in extra]
         args = [arg for key, value in options + extra for arg in (f"--{key}", value)]
         runs[name] = ["train", *args, "--nproc", "2", "--train.grad_accum", "1", "--output-dir", str(root / name)]
-    context = mp.start_processes(_ws2_rank, args=(runs, _free_ports(len(runs)), str(root)), nprocs=2, join=False,
-                                 start_method="spawn")
+    context = spawn(_ws2_rank, (runs, _free_ports(len(runs)), str(root)), join=False)
     deadline = time.monotonic() + 300 * len(runs)  # what the former per-run subprocesses were allowed
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
