@@ -18,6 +18,7 @@ from pathlib import Path
 
 from qshard import config as config_mod
 from qshard.errors import QShardError
+from qshard.rundir import full_disk_error
 
 log = logging.getLogger("qshard")
 
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a bug, not bad input: full detail once, one line from the other ranks
+        if (full := full_disk_error(exc)) is not None:  # nor is a full disk: one line
+            _report_error(full)
+            return 2
         if _rank() == 0:
             traceback.print_exc()
         else:

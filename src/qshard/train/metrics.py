@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import sys
 from pathlib import Path
@@ -11,6 +12,9 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from qshard.errors import QShardError
+from qshard.rundir import writing
 
 log = logging.getLogger("qshard")
 
@@ -23,19 +27,67 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per line; flushed each write so a reader can follow the run live."""
+    """Appends one JSON object per line, each line in one write on an O_APPEND descriptor, so that a reader
+    following the run live, or a crash, never sees half a line; a write that does not fit on the disk is
+    taken back whole and becomes a QShardError naming the file."""
 
     def __init__(self, path: Path | None) -> None:
-        self._file = path.open("a") if path is not None else None
+        self.path = path
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        self._fd = os.open(path, flags, 0o644) if path is not None else None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        if self._fd is not None:
+            with writing(self.path):
+                _append_whole(self._fd, (json.dumps(record) + "\n").encode())
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _append_whole(fd: int, line: bytes) -> None:
+    """One write of the whole line; a short one (the disk filled mid-line) is finished or cut back off."""
+    size = os.fstat(fd).st_size
+    done = os.write(fd, line)
+    try:
+        while done < len(line):  # the next write says why the first one stopped short
+            done += os.write(fd, line[done:])
+    except OSError:
+        os.ftruncate(fd, size)
+        raise
+
+
+def read_until(path: Path, step: int) -> list[str]:
+    """The lines of metrics.jsonl for steps up to `step` (what a run resumed there keeps). A torn last line,
+    from a write that never finished, is dropped with a warning; any other line that is not a step's
+    record is a QShardError naming its file and line."""
+    if not path.is_file():
+        return []
+    *lines, last = path.read_bytes().split(b"\n")
+    if last and _record(last) is None:  # a whole line always ends in a newline
+        log.warning("%s:%d: dropping a torn last line (a write that did not finish): %r",
+                    path, len(lines) + 1, last[:60].decode(errors="replace"))
+    elif last:
+        lines.append(last)
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        record = _record(line)
+        if record is None:
+            raise QShardError(f"{path}:{number}: not a step's metrics record; repair or delete that line to resume")
+        if record["step"] <= step:
+            kept.append(line.decode())
+    return kept
+
+
+def _record(line: bytes) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:  # JSON errors and bytes that are not UTF-8
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("step"), int)
+    return record if ok else None
 
 
 class Progress:

@@ -1,5 +1,6 @@
-"""`qshard train`: resolve inputs, build, train, export; the output directory is created only once
-every input has been checked, and summary.json (written last) marks a finished run."""
+"""`qshard train`: resolve inputs, build, train, export. The output directory is held by one run at a time
+(rank 0 locks it before anything is written), gets its run files only once every input has been checked,
+and summary.json (written last) marks a finished run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -17,23 +17,26 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn as nn
 
-from qshard import checkpoint, data, demo, export, loading, models
+from qshard import checkpoint, data, demo, export, loading, models, rundir
 from qshard import config as config_mod
 from qshard.build import build_model, describe, files_from_rank0, load_tokenizer, local_model_dir
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
+from qshard.data import GlobalBatchSampler
 from qshard.errors import QShardError
 from qshard.parallel.distributed import DistEnv, init_distributed, shutdown
 from qshard.train.loop import EvalResult, Trainer
-from qshard.train.metrics import MetricsLog
+from qshard.train.metrics import MetricsLog, read_until
 
 log = logging.getLogger("qshard")
 
 # Files that make a directory look like a finished (or running) qshard run.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "adapter")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "adapter", "merged")
 
 
 def resolve_output_dir(cfg: Config) -> Path:
+    """The output directory (named now if not given); not yet checked for an earlier run (see
+    `_check_not_taken`, which runs once the directory is locked)."""
     if cfg.output.dir is None:
         # Rank 0 names it: ranks reading the clock on either side of a second would disagree.
         name = [f"runs/{time.strftime('%Y%m%d-%H%M%S')}"]
@@ -42,13 +45,27 @@ def resolve_output_dir(cfg: Config) -> Path:
     path = Path(cfg.output.dir)
     if path.exists() and not path.is_dir():
         raise QShardError(f"output.dir: {path} exists and is not a directory")
+    return path
+
+
+def _check_not_taken(cfg: Config, path: Path) -> None:
+    """A directory holding a run takes only a run that continues it, or --overwrite."""
     taken = [name for name in RUN_FILES if (path / name).exists()]
-    if taken and not cfg.output.overwrite and cfg.checkpoint.resume in (None, "none"):
+    if checkpoint.complete_checkpoints(path / "checkpoints"):
+        taken.append("checkpoints")
+    if taken and not cfg.output.overwrite and not _continues(cfg, path):
         raise QShardError(
             f"output.dir: {path} already holds a run ({', '.join(taken)}); choose another directory "
             "or pass --overwrite (or --resume auto to continue it)"
         )
-    return path
+
+
+def _continues(cfg: Config, out: Path) -> bool:
+    """Whether checkpoint.resume continues the run in `out`: `auto`, or a path to one of its checkpoints."""
+    choice = cfg.checkpoint.resume
+    if choice in (None, "none"):
+        return False
+    return choice == "auto" or Path(choice).resolve().is_relative_to((out / "checkpoints").resolve())
 
 
 def _demo_inputs(cfg: Config, env: DistEnv, out: Path) -> None:
@@ -70,7 +87,8 @@ def _demo_inputs(cfg: Config, env: DistEnv, out: Path) -> None:
 class RunResult:
     out: Path
     summary: dict
-    model: nn.Module  # the trained, still sharded model (usable while the process group lives)
+    model: nn.Module | None  # the trained, still sharded model (usable while the process group lives);
+    # None when the run had finished before and there was nothing to do
     preempted: bool = False
 
 
@@ -83,8 +101,28 @@ def run_training(cfg: Config) -> RunResult:
 
 
 def train(cfg: Config, env: DistEnv) -> RunResult:
-    started = time.perf_counter()
+    """One run, holding its output directory from before the first file is written until it ends."""
     out = resolve_output_dir(cfg)
+    with _locked(out, env), rundir.writing(f"into {out}"):  # a full disk met anywhere: one line
+        _check_not_taken(cfg, out)
+        return _train(cfg, env, out)
+
+
+@contextlib.contextmanager
+def _locked(out: Path, env: DistEnv):
+    """Rank 0 holds the run directory's lock (the others never write into it but their checkpoint shards,
+    and may run on other machines); its refusal is every rank's error."""
+    with contextlib.ExitStack() as held:
+
+        def lock() -> None:
+            held.enter_context(rundir.run_lock(out))
+
+        loading.from_rank0(lock, env.is_main)
+        yield
+
+
+def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
+    started = time.perf_counter()
     no_model = cfg.model.path is None and cfg.model.shape is None
     if (cfg.data.path is None and not cfg.data.sources) or no_model:
         if env.is_main:
@@ -100,6 +138,17 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
         resume_state = checkpoint.read_state(resume)
         fingerprint = _base_fingerprint(cfg, env)
         checkpoint.check_compatible(resume, resume_state, cfg, fingerprint)
+    continuing = resume is not None and _continues(cfg, out)
+    finished = loading.from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
+    if finished and continuing and resume_state["step"] >= _planned_steps(cfg, len(train_examples), env):
+        if env.is_main:
+            log.info("run already finished: %s holds summary.json and its checkpoint of the last step (%d); "
+                     "nothing to do", out, resume_state["step"])
+        return RunResult(out, {}, None)
+    if finished and cfg.checkpoint.resume == "auto" and resume is None and not cfg.output.overwrite:
+        raise QShardError(f"output.dir: {out} holds a finished run but no checkpoint to continue it from; "
+                          "choose another directory or pass --overwrite")
+    kept_metrics = _kept_metrics(out, resume_state["step"], env) if continuing else []
     model, report = build_model(cfg, env, model_dir)
     fingerprint = fingerprint or _base_fingerprint(cfg, env)
     if env.is_main:
@@ -108,6 +157,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = Trainer(cfg, env, model, train_examples, eval_examples, pad_id)  # checks the data fills a batch
+    assert trainer.total_steps == _planned_steps(cfg, len(train_examples), env)
     trainer.checkpoint_meta = {
         "base_model": base_model_name(cfg),
         "base_fingerprint": fingerprint,
@@ -129,7 +179,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
                      time.perf_counter() - load_started)
 
     checkpoints = CheckpointManager(out / "checkpoints", cfg, env.is_main, env.device)
-    metrics = _open_outputs(cfg, env, out, keep_until=start_step)
+    metrics = _open_outputs(cfg, env, out, kept_metrics, replace=cfg.output.overwrite and not continuing)
     with _preemption_handler(trainer):
         try:
             fit = trainer.fit(metrics, start_step, checkpoints, first)
@@ -141,6 +191,8 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
                      fit.records[-1]["step"] if fit.records else start_step)
         return RunResult(out, {}, model, preempted=True)
 
+    if start_step >= trainer.total_steps and first is not None and eval_examples:
+        fit.last = trainer.evaluate()  # nothing was left to train: the loaded weights' loss, not the start's
     adapter_tensors = export.gather_lora(model) if report.adapted else {}
     records, first, last = fit.records, fit.first, fit.last
     summary = {
@@ -237,23 +289,47 @@ def _preemption_handler(trainer: Trainer):
             signal.signal(sig, handler)
 
 
-def _open_outputs(cfg: Config, env: DistEnv, out: Path, keep_until: int) -> MetricsLog:
-    """Only now, with every input checked, does the output directory get its run files. A resumed run
-    keeps the metrics of the steps it resumes after; the steps past its checkpoint are redone."""
+def _planned_steps(cfg: Config, n_examples: int, env: DistEnv) -> int:
+    """The run's optimizer steps, as the Trainer will count them, known before the model is built."""
+    t = cfg.train
+    sampler = GlobalBatchSampler(n_examples, t.micro_batch_size, t.grad_accum, env.world_size, env.rank, t.seed)
+    return t.max_steps or t.epochs * sampler.steps_per_epoch
+
+
+def _kept_metrics(out: Path, step: int, env: DistEnv) -> list[str]:
+    """On rank 0, the metrics lines a run resumed at `step` keeps (checked with the other inputs)."""
+    kept: list[str] = []
+    loading.from_rank0(lambda: kept.extend(read_until(out / "metrics.jsonl", step)), env.is_main)
+    return kept
+
+
+def _open_outputs(cfg: Config, env: DistEnv, out: Path, kept: list[str], replace: bool) -> MetricsLog:
+    """Only now, with every input checked, does the output directory get its run files: under --overwrite
+    the previous run's are first moved aside whole. A resumed run keeps the metrics of the steps it resumes
+    after; the steps past its checkpoint are redone."""
     if not env.is_main:
         return MetricsLog(None)
+    if replace:
+        moved = rundir.move_previous_run(out, keep=_inputs_inside(cfg, out))
+        if moved is not None:
+            log.info("--overwrite: moved the previous run's files to %s (delete it when no longer needed)", moved)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)  # an old finished marker must not survive
     metrics_file = out / "metrics.jsonl"
-    kept = []
-    if keep_until and metrics_file.is_file():
-        kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= keep_until]
-    metrics_file.write_text("".join(line + "\n" for line in kept))
-    config_mod.save(cfg, out / "config.yaml")
+    with rundir.writing(metrics_file):
+        rundir.write_atomic(metrics_file, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+    with rundir.writing(out / "config.yaml"):
+        rundir.write_atomic(out / "config.yaml", lambda tmp: config_mod.save(cfg, tmp))
     return MetricsLog(metrics_file)
 
 
+def _inputs_inside(cfg: Config, out: Path) -> set[str]:
+    """The run entries of `out` that hold one of this run's inputs (the demo model it wrote there)."""
+    inputs = [Path(p).resolve() for p in (cfg.model.path, cfg.data.path, cfg.data.eval_path) if p]
+    return {name for name in rundir.RUN_ENTRIES
+            if any(p.is_relative_to((out / name).resolve()) for p in inputs)}
+
+
 def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    with rundir.writing(path):
+        rundir.write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2)))
