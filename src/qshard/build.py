@@ -25,8 +25,10 @@ log = logging.getLogger("qshard")
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The model directory's tokenizer, by transformers' own classes only (never code from the directory)."""
+    models.refuse_model_code(model_dir)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as exc:
         raise QShardError(f"{model_dir}: cannot load its tokenizer ({exc})") from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:

@@ -45,6 +45,7 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise QShardError(f"{config_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    refuse_model_code(model_dir)
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise QShardError(f"{config_file}: no 'model_type' key, so the architecture cannot be identified")
     model_type = raw["model_type"]
@@ -54,7 +55,7 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
             f"{config_file}: unsupported model_type {model_type!r} (not an architecture transformers knows)"
         )
     try:
-        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, TypeError, StrictDataclassError) as exc:
         # Field and shape checks (e.g. hidden_size not a multiple of the heads) wrap the reason in __cause__.
         reason = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ else exc
@@ -65,6 +66,27 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
             "qshard trains decoder-only LMs"
         )
     return hf_config
+
+
+# The files in which a model directory can name Python modules of its own for transformers to import
+# (`auto_map`: custom config, model or tokenizer classes).
+CODE_NAMING_FILES = ("config.json", "tokenizer_config.json")
+
+
+def refuse_model_code(model_dir: str | Path) -> None:
+    """Refuse a model directory that names Python code of its own to run (`auto_map`), before anything
+    of it is loaded: qshard never imports a module that came with a model."""
+    for name in CODE_NAMING_FILES:
+        path = Path(model_dir) / name
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # absent or unreadable: whoever loads it reports that, and no code can be named in it
+        if isinstance(raw, dict) and "auto_map" in raw:
+            raise QShardError(
+                f"{path}: 'auto_map' names Python code shipped with the model; qshard does not run model-supplied "
+                "code (if transformers implements this architecture itself, delete the 'auto_map' entry)"
+            )
 
 
 def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
@@ -78,14 +100,15 @@ def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
     attn = cfg.model.attn_implementation
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=precision(cfg).compute)
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=precision(cfg).compute,
+                                                     trust_remote_code=False)
         except ValueError as exc:  # e.g. an attn_implementation this architecture lacks
             if attn != "sdpa" or "scaled_dot_product_attention" not in str(exc):
                 raise QShardError(f"cannot build {type(hf_config).__name__} ({exc})") from None
             # Some architectures (Gemma 2's logit soft-capping) have eager attention only.
             log.warning("%s has no sdpa attention; using eager", type(hf_config).__name__)
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
-                                                     dtype=precision(cfg).compute)
+                                                     dtype=precision(cfg).compute, trust_remote_code=False)
     return model
 
 
