@@ -25,8 +25,10 @@ log = logging.getLogger("qshard")
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The model directory's tokenizer, by transformers' own classes only (never code from the directory)."""
+    models.refuse_model_code(model_dir)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as exc:
         raise QShardError(f"{model_dir}: cannot load its tokenizer ({exc})") from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
@@ -76,6 +78,7 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tupl
     model = models.build_skeleton(hf_config, cfg)
     blocks = models.find_blocks(model, cfg.model.block_class)
     report = models.prepare_modules(model, blocks, cfg)
+    models.check_adapter_memory(model, cfg, env.world_size, models.machine_memory(env.device))
     source = weight_source(cfg, env, model_dir, model)
     if not random_init(cfg):
         loading.check_checkpoint(source, model)
@@ -92,10 +95,12 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tupl
     # Under CPU offload FSDP2 wants the shards it manages in host memory (it pins them and copies each unit to
     # the GPU when gathering it): they are materialized there and the loader writes each rank's rows into them
     # from the device the weights were quantized on. Buffers (rotary frequencies) are computed with, on the GPU.
-    model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else env.device)
+    with models.allocation_errors(model, cfg, env.device):
+        model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else env.device)
     models.restore_buffers(model, buffers, env.device)
     loading.load_weights(model, source, env.device)
-    loading.init_adapters(model, cfg.train.seed)
+    with models.allocation_errors(model, cfg, env.device):
+        loading.init_adapters(model, cfg.train.seed)  # each adapter in full, on the host, before it is sharded
     if cfg.parallel.cpu_offload:
         models.buffers_to(model, env.device)  # any loaded (persistent) buffer: computed with, on the GPU
     return model, report

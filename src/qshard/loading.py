@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Protocol, TypeVar
 
 import torch
@@ -82,7 +82,7 @@ class Checkpoint:
                 continue
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-                files = {str(name): self.dir / fname for name, fname in weight_map.items()}
+                files = {str(name): self._shard_path(index, name, fname) for name, fname in weight_map.items()}
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
                 raise QShardError(f"{index}: not a valid checkpoint index ({exc})") from None
             missing = sorted({p for p in files.values() if not p.is_file()})
@@ -92,6 +92,17 @@ class Checkpoint:
         if (self.dir / SINGLE_FILE).is_file() or (self.dir / BIN_FILE).is_file():
             return {}, None
         raise QShardError(f"{self.dir}: no {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE} or {BIN_INDEX_FILE}")
+
+    def _shard_path(self, index: Path, name: str, fname) -> Path:
+        """The file an index entry names: a path inside the model directory, spelled relative to it.
+        (A file there may be a symlink to elsewhere, as in the Hugging Face cache, whose snapshot files
+        all point into its blob store: the directory's owner put it there, the index cannot.)"""
+        if not isinstance(fname, str):
+            raise TypeError(f"entry for '{name}' is {fname!r}, not a file name")
+        parts = PurePosixPath(fname).parts
+        if not parts or PurePosixPath(fname).is_absolute() or ".." in parts:
+            raise QShardError(f"{index}: entry '{name}' names {fname!r}, which is not a file inside {self.dir}")
+        return self.dir / fname
 
     def names(self) -> set[str]:
         return set(self._info)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +48,7 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise QShardError(f"{config_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    refuse_model_code(model_dir)
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise QShardError(f"{config_file}: no 'model_type' key, so the architecture cannot be identified")
     model_type = raw["model_type"]
@@ -54,7 +58,7 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
             f"{config_file}: unsupported model_type {model_type!r} (not an architecture transformers knows)"
         )
     try:
-        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, TypeError, StrictDataclassError) as exc:
         # Field and shape checks (e.g. hidden_size not a multiple of the heads) wrap the reason in __cause__.
         reason = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ else exc
@@ -65,6 +69,27 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
             "qshard trains decoder-only LMs"
         )
     return hf_config
+
+
+# The files in which a model directory can name Python modules of its own for transformers to import
+# (`auto_map`: custom config, model or tokenizer classes).
+CODE_NAMING_FILES = ("config.json", "tokenizer_config.json")
+
+
+def refuse_model_code(model_dir: str | Path) -> None:
+    """Refuse a model directory that names Python code of its own to run (`auto_map`), before anything
+    of it is loaded: qshard never imports a module that came with a model."""
+    for name in CODE_NAMING_FILES:
+        path = Path(model_dir) / name
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # absent or unreadable: whoever loads it reports that, and no code can be named in it
+        if isinstance(raw, dict) and "auto_map" in raw:
+            raise QShardError(
+                f"{path}: 'auto_map' names Python code shipped with the model; qshard does not run model-supplied "
+                "code (if transformers implements this architecture itself, delete the 'auto_map' entry)"
+            )
 
 
 def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
@@ -78,14 +103,15 @@ def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
     attn = cfg.model.attn_implementation
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=precision(cfg).compute)
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=precision(cfg).compute,
+                                                     trust_remote_code=False)
         except ValueError as exc:  # e.g. an attn_implementation this architecture lacks
             if attn != "sdpa" or "scaled_dot_product_attention" not in str(exc):
                 raise QShardError(f"cannot build {type(hf_config).__name__} ({exc})") from None
             # Some architectures (Gemma 2's logit soft-capping) have eager attention only.
             log.warning("%s has no sdpa attention; using eager", type(hf_config).__name__)
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
-                                                     dtype=precision(cfg).compute)
+                                                     dtype=precision(cfg).compute, trust_remote_code=False)
     return model
 
 
@@ -168,6 +194,7 @@ def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> S
                 else:
                     report.kept.append(fqn)
             if sub_name.rsplit(".", 1)[-1] in targets:
+                _check_rank(cfg.lora.rank, fqn, linear)
                 base = adapter(base, linear.in_features, linear.out_features, cfg.lora.rank, cfg.lora.alpha,
                                cfg.lora.dropout, dtype=master_dtype)
                 report.adapted.append(fqn)
@@ -182,6 +209,65 @@ def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     for param in module.parameters():
         param.data = param.data.to(dtype)
     return module
+
+
+def _check_rank(rank: int, fqn: str, linear: nn.Linear) -> None:
+    """An adapter's rank beyond min(in_features, out_features) adds numbers but nothing the product B A can
+    express (PEFT warns likewise); refused here, on the meta skeleton, before any of it is allocated."""
+    limit = min(linear.in_features, linear.out_features)
+    if rank > limit:
+        raise QShardError(
+            f"lora.rank {rank} exceeds what layer {fqn} (in_features {linear.in_features}, out_features "
+            f"{linear.out_features}) can use: an adapter's rank is at most min(in_features, out_features) = {limit}"
+        )
+
+
+# Each adapter weight trains with a gradient and AdamW's two moments, all of its own size and dtype.
+TRAINED_COPIES = 4
+
+
+def adapter_bytes(model: nn.Module) -> int:
+    """Bytes of the LoRA/DoRA adapters' own parameters (not their frozen base), as stored."""
+    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, LoRALinear)
+               for name, p in m.named_parameters() if not name.startswith("base."))
+
+
+def machine_memory(device: torch.device) -> int | None:
+    """The host's physical memory plus `device`'s own (a GPU's): more than one process can ever hold."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
+        return None
+    return host + (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0)
+
+
+def check_adapter_memory(model: nn.Module, cfg: Config, world_size: int, memory: int | None) -> None:
+    """Refuse adapters that cannot fit even when perfectly sharded over every rank, before they are allocated:
+    their weights, gradients and optimizer state, a share of `memory` bytes per rank at most."""
+    trained = adapter_bytes(model) * TRAINED_COPIES
+    if memory is not None and trained / world_size > memory:
+        raise QShardError(
+            f"lora.rank {cfg.lora.rank}: the adapters, with their gradients and AdamW state, take {trained:,} bytes, "
+            f"{trained // world_size:,} per rank over {world_size} rank(s), more than the {memory:,} bytes of "
+            "memory a rank has here; lower lora.rank or lora.target_modules"
+        )
+
+
+@contextmanager
+def allocation_errors(model: nn.Module, cfg: Config, device: torch.device) -> Iterator[None]:
+    """An allocator's failure to make room for the model (its shards, its adapters) as one line that says
+    what was asked for, and how much of it the adapters are, instead of a traceback."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch.OutOfMemoryError included
+        text = str(exc)
+        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in text:
+            raise
+        asked = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        adapters = adapter_bytes(model)
+        what = f"lora.rank {cfg.lora.rank}: " if adapters else ""
+        share = f"; the adapters alone take {adapters:,} bytes, {TRAINED_COPIES}x that once trained" if adapters else ""
+        raise QShardError(f"{what}cannot allocate the model on {device} ({asked}){share}") from None
 
 
 def _quantized_like(linear: nn.Linear, quant: QuantConfig, bias_dtype: torch.dtype) -> nn.Module:

@@ -60,8 +60,13 @@ class SafetensorsFile:
             self._fail(f"header is not valid JSON ({type(exc).__name__}: {exc})")
         if not isinstance(header, dict):
             self._fail("header is not a JSON object")
-        header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", None)
+        if metadata is None:
+            metadata = {}  # safetensors reads `null` as no metadata
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            self._fail("__metadata__ is not a map of strings to strings")
         self.tensors = {name: self._entry(name, e, 8 + header_len, size) for name, e in header.items()}
+        self._check_tiling(8 + header_len, size)
 
     def _fail(self, reason: str, name: str | None = None):
         what = f"tensor '{name}': " if name else ""
@@ -70,19 +75,39 @@ class SafetensorsFile:
     def _entry(self, name: str, entry, data_start: int, size: int) -> TensorInfo:
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            shape, offsets = entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError):
             self._fail(f"malformed header entry {entry!r}", name)
+        # As safetensors reads them: lists of non-negative JSON integers (not floats, strings or booleans).
+        if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+                and all(type(x) is int and x >= 0 for x in shape + offsets)):
+            self._fail(f"malformed header entry {entry!r}", name)
+        begin, end = offsets
         numel = 1
         for d in shape:
             numel *= d
         nbytes = numel * dtype.itemsize
-        if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
-            self._fail(f"offsets {[begin, end]} do not fit dtype {entry['dtype']} shape {list(shape)}", name)
+        if end - begin != nbytes:
+            self._fail(f"offsets {[begin, end]} do not fit dtype {entry['dtype']} shape {shape}", name)
         if data_start + end > size:
             self._fail(f"data ends at byte {data_start + end}, past the file's end at {size} (truncated?)", name)
-        return TensorInfo(dtype, shape, data_start + begin, nbytes)
+        return TensorInfo(dtype, tuple(shape), data_start + begin, nbytes)
+
+    def _check_tiling(self, data_start: int, size: int) -> None:
+        """The tensors' byte ranges, in file order, must cover the data area exactly, as safetensors' own
+        reader requires: no two tensors share bytes, and no bytes lie between them or after the last."""
+        spans = sorted((info.offset, info.offset + info.nbytes, name) for name, info in self.tensors.items())
+        reached, previous = data_start, None
+        for begin, end, name in spans:
+            if begin < reached:
+                self._fail(f"bytes [{begin - data_start}, {end - data_start}) of the data overlap those of tensor "
+                           f"'{previous}'", name)
+            if begin > reached:
+                self._fail(f"starts at byte {begin - data_start} of the data, leaving bytes "
+                           f"[{reached - data_start}, {begin - data_start}) that no tensor holds", name)
+            reached, previous = end, name
+        if reached != size:
+            self._fail(f"the last tensor's data ends at byte {reached}, but the file goes on to byte {size}")
 
     def read(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
