@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="allow an output dir that holds a run")
     make = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint of a named shape")
     make.add_argument("--shape", required=True, help="e.g. llama3-8b, llama3-70b, llama-tiny")
-    make.add_argument("--out", required=True, help="directory to write")
+    make.add_argument("--out", required=True, help="directory to write (must not exist, or be empty)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--layers", type=int, help="override num_hidden_layers")
     make.add_argument("--device", default="cpu", help="where to generate the random values (cpu, cuda)")
@@ -109,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("kind", choices=["adapter", "merged"], help="adapter: PEFT format; merged: full HF model")
     exp.add_argument("--run", required=True, help="the run's output directory")
     exp.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest complete one)")
-    exp.add_argument("--out", help="where to write (default: RUN/adapter or RUN/merged)")
+    exp.add_argument("--out", help="where to write (default: RUN/adapter or RUN/merged); an existing directory "
+                     "must be empty or hold a previous qshard export of the same kind, and nothing else")
     exp.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors shard of a merged model")
     grow = sub.add_parser("expand", help="add identity-initialized blocks to a checkpoint (Llama-Pro)")
     grow.add_argument("--model", required=True, help="the model directory to expand")
@@ -262,6 +263,7 @@ def _make_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise QShardError(f"unknown argument '{extra[0]}' for make-checkpoint")
     from qshard.demo_tokenizer import build_demo_tokenizer
+    from qshard.outputs import staged
     from qshard.random_model import named_config, write_random_checkpoint
 
     overrides = {"num_hidden_layers": args.layers} if args.layers else {}
@@ -271,9 +273,12 @@ def _make_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
         raise QShardError(
             f"--shape {args.shape}: vocabulary {hf_config.vocab_size} is smaller than the demo tokenizer's"
         )
-    write_random_checkpoint(args.out, hf_config, seed=args.seed, device=args.device)
-    # A small local tokenizer whose ids all fit the vocabulary, so the checkpoint trains as is.
-    tokenizer.save_pretrained(args.out)
+    # Written whole into a fresh directory, which only then takes --out's name: a killed run leaves no
+    # directory there that looks like a checkpoint, and nothing already there is overwritten.
+    with staged(Path(args.out), "--out") as tmp:
+        write_random_checkpoint(tmp, hf_config, seed=args.seed, device=args.device)
+        # A small local tokenizer whose ids all fit the vocabulary, so the checkpoint trains as is.
+        tokenizer.save_pretrained(tmp)
     log.info("wrote a random %s checkpoint (with the demo tokenizer) to %s", args.shape, args.out)
     return 0
 

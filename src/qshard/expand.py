@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from qshard import models
+from qshard import models, outputs
 from qshard.errors import QShardError
 from qshard.loading import INDEX_FILE, SINGLE_FILE, Checkpoint
 from qshard.weight_files import SafetensorsWriter
@@ -92,7 +92,7 @@ def expand_checkpoint(
         _write_config(tmp, raw, sources, layers)
         _check_layers(hf_config, models.load_hf_config(tmp), sources)
         for item in model_dir.iterdir():  # tokenizer, generation config, ...
-            if item.is_file() and item.name != "config.json" and not item.name.endswith(_WEIGHT_SUFFIXES):
+            if _describes_model(item):
                 shutil.copy2(item, tmp / item.name)
         _write_weights(tmp, ckpt, plan, max_shard_bytes)
     except BaseException:
@@ -119,6 +119,13 @@ def _remove_leftover(tmp: Path) -> None:
         raise QShardError(f"--output: {tmp} exists and was not left by an interrupted qshard expand; remove or "
                           "rename it")
     shutil.rmtree(tmp)
+
+
+def _describes_model(item: Path) -> bool:
+    """A file to copy as it is: not a weight file, nor config.json (rewritten), nor the marker of an export
+    the source may be (the expansion is no export: a later export must not take it for one to replace)."""
+    return (item.is_file() and item.name not in ("config.json", outputs.MARKER)
+            and not item.name.endswith(_WEIGHT_SUFFIXES))
 
 
 def _plan(ckpt: Checkpoint, layers: int, sources: list[tuple[int, bool]]) -> list[_Tensor]:

@@ -13,6 +13,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from qshard import outputs
 from qshard.adapters import DoRALinear, LoRALinear
 from qshard.adapters.dora import dora_merge
 from qshard.config import LoRAConfig
@@ -64,10 +65,8 @@ def write_peft_adapter(
     targets: list[str] | str,
     base_model: str,
 ) -> None:
-    """Write atomically: into a sibling temporary directory, renamed into place once complete."""
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """Write the adapter to `dest` (see `outputs.staged`: complete or not at all, and replacing nothing but
+    a previous adapter export)."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -88,11 +87,9 @@ def write_peft_adapter(
         "rank_pattern": {},
         "alpha_pattern": {},
     }
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
+    with outputs.staged(dest, kind="adapter") as tmp:
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -173,16 +170,28 @@ def write_merged(
     dtype: torch.dtype = torch.bfloat16,
 ) -> None:
     """Write a Hugging Face model directory (config, tokenizer, sharded safetensors) from `weights`,
-    holding at most one shard in memory, atomically (a sibling `.tmp` renamed once complete).
-    Every rank consumes `weights` (it gathers shards); only the main rank writes."""
-    tmp = dest.with_name(dest.name + ".tmp")
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for item in base_dir.iterdir():
-            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
-                shutil.copy2(item, tmp / item.name)
+    holding at most one shard in memory (see `outputs.staged`: complete or not at all, and replacing nothing
+    but a previous merged export). Every rank consumes `weights` (it gathers shards); only the main rank
+    writes."""
+    if not is_main:
+        for _ in weights:  # the gathers are collectives: take part in each
+            pass
+        return
+    with outputs.staged(dest, kind="merged") as tmp:
+        _copy_model_files(base_dir, tmp)
         _retype_config(tmp / "config.json", dtype)
+        _write_shards(tmp, weights, max_shard_bytes)
+
+
+def _copy_model_files(base_dir: Path, dest: Path) -> None:
+    """The files that describe the model (config, tokenizer, generation config), not its weights, nor the
+    marker of an export it may itself be: ownership is never copied."""
+    for item in base_dir.iterdir():
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != outputs.MARKER:
+            shutil.copy2(item, dest / item.name)
+
+
+def _write_shards(dest: Path, weights, max_shard_bytes: int) -> None:
     shards: list[str] = []
     weight_map: dict[str, str] = {}
     current: dict[str, torch.Tensor] = {}
@@ -190,9 +199,9 @@ def write_merged(
 
     def flush() -> None:
         nonlocal current, size
-        if current and is_main:
+        if current:
             name = f"model-{len(shards) + 1:05d}.safetensors"
-            save_file(current, tmp / name, metadata={"format": "pt"})
+            save_file(current, dest / name, metadata={"format": "pt"})
             shards.append(name)
             weight_map.update(dict.fromkeys(current, name))
         current, size = {}, 0
@@ -204,14 +213,9 @@ def write_merged(
         size += tensor.nbytes
         total += tensor.nbytes
     flush()
-    if not is_main:
-        return
     # Name the shards "-of-N" now that N is known, as transformers' own checkpoints are named.
     final_names = {old: f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i, old in enumerate(shards, start=1)}
     for old, new in final_names.items():
-        (tmp / old).rename(tmp / new)
+        (dest / old).rename(dest / new)
     index = {"metadata": {"total_size": total}, "weight_map": {k: final_names[v] for k, v in weight_map.items()}}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

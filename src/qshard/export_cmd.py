@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from qshard import checkpoint, export
+from qshard import checkpoint, export, outputs
 from qshard import config as config_mod
 from qshard.build import build_model, local_model_dir
 from qshard.errors import QShardError
@@ -32,13 +32,19 @@ def find_checkpoint(run_dir: Path, explicit: str | None) -> Path:
 
 
 def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, max_shard_gib: float) -> Path:
+    """Write the adapter or merged model of `run_dir`'s checkpoint (its newest, or `ckpt_arg`) to `out`
+    (default: the run's adapter/ or merged/), after refusing any `out` whose contents are not its own."""
     ckpt = find_checkpoint(run_dir, ckpt_arg)
     state = checkpoint.read_state(ckpt)
     cfg = config_mod.resolve(str(ckpt / "config.yaml"), [])
     # How the run was sharded or offloaded does not matter to reading its weights back at this world size
     # (a hybrid run's replica count need not divide it).
     cfg.parallel.sharding, cfg.parallel.replicate_degree, cfg.parallel.cpu_offload = "full", 0, False
-    out = out or run_dir / ("adapter" if kind == "adapter" else "merged")
+    out = out or run_dir / kind
+    _check_out(out, run_dir, ckpt, cfg)
+    if _resolved(out) in _run_exports(run_dir) and not _belongs_to(ckpt, run_dir):
+        _check_same_run(ckpt, state, run_dir, out)
+    outputs.check_target(out, "--out", kind)  # before the model is built; the writer checks again
     checkpoint.check_compatible(ckpt, state, cfg, base_fingerprint(cfg))
     if kind == "merged" and cfg.model.path is None:
         raise QShardError(f"{ckpt}: a model.shape run has no model directory to take a merged model's config and "
@@ -62,3 +68,93 @@ def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None,
         return out
     finally:
         shutdown()
+
+
+def _check_out(out: Path, run_dir: Path, ckpt: Path, cfg: config_mod.Config) -> None:
+    """Refuse an --out that is, lies inside or contains the run (but for its own export places), the
+    checkpoint read, or the base model's directory: replacing it would destroy them."""
+    target = _resolved(out)
+    if target in _run_exports(run_dir):
+        places = [("the checkpoint", ckpt)]
+    else:
+        places = [("the run directory", run_dir), ("the checkpoint", ckpt)]
+    if cfg.model.path is not None:
+        places.append(("the base model directory", Path(cfg.model.path)))
+    for what, place in places:
+        where = _resolved(place)
+        relation = ("is" if target == where else "is inside" if where in target.parents
+                    else "contains" if target in where.parents else None)
+        if relation:
+            raise QShardError(f"--out {out}: {relation} {what} {place}; choose a directory outside it")
+
+
+def _check_same_run(ckpt: Path, state: dict, run_dir: Path, out: Path) -> None:
+    """A checkpoint from elsewhere may replace the run's own export only if it was trained as the run was:
+    from the same base model, with the same options (but for those a resumed run may change)."""
+    reference = _run_reference(run_dir)
+    if reference is None:  # not a run: it has no export of its own to lose
+        return
+    fingerprint, config = reference
+    why = None
+    if fingerprint is not None and state.get("base_fingerprint") != fingerprint:
+        why = f"was trained from another base model ({state.get('base_model')})"
+    else:
+        key = _differing_key(state.get("config", {}), config)
+        if key is not None:
+            section, name = key.split(".")
+            why = (f"was saved with {key}={_get(state.get('config', {}), section, name)!r}, the run with "
+                   f"{_get(config, section, name)!r}")
+    if why:
+        raise QShardError(f"--checkpoint {ckpt}: {why}, so it is not {run_dir}'s to replace {out} with; "
+                          "give --out a new directory")
+
+
+# Options that may differ between the sessions of one run (a resume with more steps, more processes, another
+# batch split or cache): a checkpoint differing from the run only in these is taken to be the run's.
+_SESSION_SECTIONS = ("parallel", "checkpoint", "output")
+_SESSION_KEYS = ("train.max_steps", "train.epochs", "train.eval_every", "train.log_every", "train.loss_chunk_tokens",
+                 "train.micro_batch_size", "train.grad_accum", "data.cache_dir", "data.cache_max_gb",
+                 "data.num_workers", "model.load_mode", "model.attn_implementation")
+
+
+def _differing_key(saved: dict, reference: dict) -> str | None:
+    """The first option, other than a session's, whose values in two saved configurations differ."""
+    for section, keys in config_mod.Config().to_dict().items():
+        if section in _SESSION_SECTIONS:
+            continue
+        for name in keys:
+            key = f"{section}.{name}"
+            if key not in _SESSION_KEYS and _get(saved, section, name) != _get(reference, section, name):
+                return key
+    return None
+
+
+def _get(config: dict, section: str, name: str):
+    """A saved option's value; one that an older qshard did not save had its default value then."""
+    default, values = config_mod.Config().to_dict()[section][name], config.get(section)
+    return values.get(name, default) if isinstance(values, dict) else default
+
+
+def _run_reference(run_dir: Path) -> tuple[str | None, dict] | None:
+    """What the run was trained from: (base fingerprint, configuration) of its newest checkpoint, or
+    (None, its config.yaml) before its first one; None for a directory that holds no run."""
+    latest = checkpoint.find_latest(run_dir / "checkpoints")
+    if latest is not None:
+        state = checkpoint.read_state(latest)
+        return state.get("base_fingerprint"), state.get("config", {})
+    if (run_dir / "config.yaml").is_file():
+        return None, config_mod.resolve(str(run_dir / "config.yaml"), []).to_dict()
+    return None
+
+
+def _run_exports(run_dir: Path) -> tuple[Path, Path]:
+    """The places `qshard train` and `qshard export` write a run's own exports to."""
+    return _resolved(run_dir / "adapter"), _resolved(run_dir / "merged")
+
+
+def _belongs_to(ckpt: Path, run_dir: Path) -> bool:
+    return _resolved(ckpt).parent == _resolved(run_dir / "checkpoints")
+
+
+def _resolved(path: Path) -> Path:
+    return Path(path).resolve()
