@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -19,6 +22,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from qshard import cli
 from qshard.checkpoint import STATE_FILE, complete_checkpoints
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 DEMO_TRAIN = resources.files("qshard") / "demo_data" / "train.jsonl"
 # Adapters moved by a learning rate this large hold values no fp32 forward survives: step 1 starts from the
@@ -166,6 +171,43 @@ def test_skip_step_leaves_the_weights_and_optimizer_state_unchanged(tiny_models,
     steps = [json.loads((c / STATE_FILE).read_text())["scheduler"]["last_epoch"]
              for c in complete_checkpoints(out / "checkpoints")]
     assert steps == [1, 2, 3]
+
+
+# Python runs a sitecustomize module at the start of every process: here, only in rank 1's.
+NAN_ON_RANK_1_AT_STEP_2 = """
+import os
+if os.environ.get("RANK") == "1":
+    import torch.nn as nn
+    calls = [0]
+    def hook(module, args, output):
+        if isinstance(module, nn.Embedding) and module.training:
+            calls[0] += 1
+            if calls[0] == 2:
+                return output * float("nan")
+    nn.modules.module.register_module_forward_hook(hook)
+"""
+
+
+def test_nan_on_one_rank_is_skipped_on_every_rank(tiny_models, tmp_path):
+    """Two ranks (gloo, through `--nproc 2`), a NaN in rank 1's forward of step 2 only: both ranks leave the
+    update out, so the adapters and AdamW's state are those of step 1, and the run finishes."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(NAN_ON_RANK_1_AT_STEP_2)
+    out = tmp_path / "out"
+    args = ["train", "--model", str(tiny_models("llama")), "--data", str(DEMO_TRAIN), "--output-dir", str(out),
+            "--max-length", "32", "--model.dtype", "float32", "--data.eval_fraction", "0", "--max-steps", "3",
+            "--nproc", "2", "--train.nan_policy", "skip_step", "--save-every", "1", "--checkpoint.keep_last", "3"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=os.pathsep.join([str(inject), SRC]), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "qshard", *args], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("step 2: the loss is nan") == 1, proc.stderr  # rank 0's warning only
+    assert [(r["step"], r["skipped"]) for r in metrics(out)] == [(1, False), (2, True), (3, False)]
+    first, second, third = (_state(c, tmp_path) for c in complete_checkpoints(out / "checkpoints"))
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not all(torch.equal(second[k], third[k]) for k in first)
 
 
 def test_skip_step_stops_after_too_many_skips_in_a_row(tiny_models, tmp_path, capsys):
