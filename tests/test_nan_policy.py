@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from qshard import cli
 from qshard.checkpoint import STATE_FILE, complete_checkpoints
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+# The source of the qshard this process imported, for the processes it starts.
+SRC = str(Path(cli.__file__).resolve().parents[1])
 
 DEMO_TRAIN = resources.files("qshard") / "demo_data" / "train.jsonl"
 # Adapters moved by a learning rate this large hold values no fp32 forward survives: step 1 starts from the
