@@ -115,9 +115,26 @@ def test_non_finite_frozen_weight_is_one_error_naming_tensor_and_file(tiny_model
     out = tmp_path / "out"
     code, err = run(capsys, model_dir, out, "--max-steps", "1")
     assert code == 2, err
-    assert error_lines(err) == [line for line in error_lines(err) if needle.format(dir=model_dir) in line], err
-    assert len(error_lines(err)) == 1, err
+    lines = error_lines(err)
+    assert len(lines) == 1 and needle.format(dir=model_dir) in lines[0], err
     assert not out.exists()  # found while loading, before the output directory is made
+
+
+def test_broadcast_loading_names_the_tensor_too(tiny_models, tmp_path, dist_env):
+    """Under `model.load_mode: broadcast` (rank 0 reads and sends each tensor; a world of one here) the bad
+    tensor is counted from rank 0's files again and named the same way."""
+    from qshard import models
+    from qshard.config import Config
+    from qshard.errors import QShardError
+    from qshard.loading import BroadcastSource, check_checkpoint, load_weights
+
+    model_dir = _damaged_copy(tiny_models, tmp_path / "model", _nan_in_quantized)
+    model = models.build_skeleton(models.load_hf_config(model_dir), Config()).to_empty(device="cpu")
+    source = BroadcastSource(model_dir, dist_env.is_main, dist_env.device)
+    check_checkpoint(source, model)
+    with pytest.raises(QShardError, match=r"^model\.layers\.1\.mlp\.up_proj\.weight in .*/model-00002-of-00002"
+                                          r"\.safetensors holds 12 NaN values:"):
+        load_weights(model, source, dist_env.device)
 
 
 # --------------------------------------------------------------------------------------------- training steps

@@ -638,7 +638,7 @@ def load_weights(model: nn.Module, source: TensorSource, device: torch.device,
     else:
         reads = _OneAhead(source, names, device)
     freed = 0
-    finite = FiniteCheck(names, device)
+    finite = _FiniteCheck(names, device)
     with reads:
         for i, (_, store) in enumerate(plan):
             full = reads.take(i)
@@ -655,7 +655,7 @@ def load_weights(model: nn.Module, source: TensorSource, device: torch.device,
         source.close()
 
 
-class FiniteCheck:
+class _FiniteCheck:
     """Which loaded tensors hold a NaN or an infinity. Each tensor's smallest and largest value (NaN when it
     holds one) is written on the device as the tensor is stored, and all of them are read once, after the
     load: reading each one at once would make the loader wait for the device at every tensor."""
