@@ -160,6 +160,9 @@ class TrainConfig:
     # start of backward (one chunk's logits, their fp32 copy and gradient: ~1.5 GiB at 1,024 over a 128k
     # vocabulary) set the 8B step's peak at seq 2,048 (benchmarks/memory_peak.py, docs/benchmarks.md).
     loss_chunk_tokens: int = 512
+    # A step whose loss or gradient norm is NaN or infinite: error ends the run naming the step, before its
+    # metrics line or any checkpoint after it; skip_step leaves the weights as they were and goes on.
+    nan_policy: Literal["error", "skip_step"] = "error"
 
 
 @dataclass

@@ -649,9 +649,11 @@ def load_weights(model: nn.Module, source: TensorSource, device: torch.device,
     else:
         reads = _OneAhead(source, names, device)
     freed = 0
+    finite = _FiniteCheck(names, device)
     with reads:
         for i, (_, store) in enumerate(plan):
             full = reads.take(i)
+            finite.record(i, full)  # the full tensor as stored in the file: quantizing could hide a NaN
             with torch.no_grad():
                 store(full)
             freed += full.nbytes
@@ -659,8 +661,45 @@ def load_weights(model: nn.Module, source: TensorSource, device: torch.device,
             if freed > TRIM_EVERY_BYTES:
                 freed = _release_freed_memory()
     _release_freed_memory()
+    finite.raise_if_any(source)
     if hasattr(source, "close"):
         source.close()
+
+
+class _FiniteCheck:
+    """Which loaded tensors hold a NaN or an infinity. Each tensor's smallest and largest value (NaN when it
+    holds one) is written on the device as the tensor is stored, and all of them are read once, after the
+    load: reading each one at once would make the loader wait for the device at every tensor."""
+
+    def __init__(self, names: list[str], device: torch.device) -> None:
+        self.names = names
+        # float64 holds any stored dtype's extremes exactly (a float32 copy would turn a large fp64 into inf).
+        self.extremes = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def record(self, i: int, full: torch.Tensor) -> None:
+        """Note the extremes of plan tensor i (`full`, on the device); nothing waits for them."""
+        if full.is_floating_point() and full.numel():
+            low, high = torch.aminmax(full)  # one pass, no temporary as large as the tensor
+            self.extremes[i, 0], self.extremes[i, 1] = low, high
+
+    def raise_if_any(self, source: TensorSource) -> None:
+        """One QShardError naming the first tensor (in load order) with a NaN or an infinity, its file and its
+        count of each: read again from `source` to count them (a collective under broadcast loading, where
+        every rank got the same bytes, so every rank is here with the same tensor)."""
+        finite = torch.isfinite(self.extremes).all(dim=1).tolist()  # the load's one wait for these
+        bad = [name for name, ok in zip(self.names, finite, strict=True) if not ok]
+        if not bad:
+            return
+        values = source.read(bad[0])
+        counts = [(int(values.isnan().sum()), "NaN"), (int(values.isinf().sum()), "infinite")]
+        what = " and ".join(f"{n} {kind}" for n, kind in counts if n)
+        where = getattr(source, "files", {}).get(bad[0])
+        more = f" ({len(bad) - 1} more tensor(s) hold some too)" if len(bad) > 1 else ""
+        raise QShardError(
+            f"{bad[0]}{f' in {where}' if where else ''} holds {what} values{more}: a damaged or diverged "
+            "checkpoint; qshard does not train on it (re-download or re-convert the model)"
+        )
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:

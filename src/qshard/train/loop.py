@@ -19,6 +19,7 @@ from qshard.parallel.offload import activation_offload, optimizer_device
 from qshard.precision import precision
 from qshard.train.loss import build_loss, loss_positions
 from qshard.train.metrics import MetricsLog, Progress, peak_memory_gib
+from qshard.train.nan_policy import NonFiniteError, build_nan_policy
 from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
@@ -29,12 +30,13 @@ def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
 @dataclass
 class IssuedStep:
     """An optimizer step queued on the device; `totals` (loss sum, stop votes, trained and input tokens, gradient
-    norm, float64) is read when it is finished."""
+    norm, float64) is read when it is finished. `skipped`: its update was left out (train.nan_policy: skip_step)."""
 
     step: int
     start: float
     totals: torch.Tensor
     lr: float
+    skipped: bool = False
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device), policy.loss_scaling)
         # Loss scaling for fp16_mixed; in every other mode a pass-through with the same interface.
         self.scaler = policy.grad_scaler(env.device)
+        self.nan_policy = build_nan_policy(t.nan_policy, policy.loss_scaling, env.is_main)
         self.activation_offload = activation_offload(cfg, env.device)  # a context factory (or a no-op one)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
         self.progress = Progress(self.total_steps, env.is_main, t.log_every)
@@ -107,7 +110,8 @@ class Trainer:
         """Queue one optimizer step over the global batch `step` (0-based) on the device. Nothing of qshard's
         here waits for the device: each wait would stop the host from queueing work ahead of it (`finish`
         waits once). Some modes wait anyway: fp16's loss scaler reads its overflow flag, CPU offload steps
-        the optimizer on the host, and transformers inspects the attention mask of a padded batch."""
+        the optimizer on the host, `train.nan_policy: skip_step` reads whether the loss and gradient norm are
+        finite before the update, and transformers inspects the attention mask of a padded batch."""
         start = time.perf_counter()
         if not self.model.training:  # a walk over every module: only after evaluation
             self.model.train()
@@ -124,8 +128,10 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.params, self.cfg.optim.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        # Skipped (fp16) when any rank's gradients overflowed; update() then lowers the scale for every rank.
-        self.scaler.step(self.optimizer)
+        skipped = self.nan_policy.skip_update(loss_sum, grad_norm)  # False without a wait unless skip_step
+        if not skipped:
+            # Skipped (fp16) when any rank's gradients overflowed; update() then lowers the scale for every rank.
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -140,7 +146,7 @@ class Trainer:
         # would idle at the start of every step while the host collates and copies them.
         if step + 1 < self.total_steps:
             self._prefetched = {step + 1: self._inputs(step + 1)}
-        return IssuedStep(step, start, torch.cat([totals, counts, norm]), lr)
+        return IssuedStep(step, start, torch.cat([totals, counts, norm]), lr, skipped)
 
     def _inputs(self, step: int) -> StepInputs:
         """The micro-batches of global batch `step` on the device, and the loss scale that normalizes them."""
@@ -155,17 +161,21 @@ class Trainer:
         return StepInputs([self._to_device(b) for b in host], scale, counts)
 
     def finish(self, issued: IssuedStep) -> dict:
-        """Wait for an issued step and return its record."""
+        """Wait for an issued step and return its record. A loss or gradient norm that is not finite is
+        judged here (train.nan_policy), from the totals the step reads anyway, before any use of the record."""
         loss_total, votes, n_trained, n_input, grad_norm = issued.totals.tolist()  # the step's one wait
         elapsed = time.perf_counter() - issued.start
-        self.stop_agreed = votes > 0
         n_trained, n_input = int(n_trained), int(n_input)
+        loss = loss_total / max(n_trained, 1)
+        skipped = self.nan_policy.judge(issued.step + 1, loss, grad_norm, issued.skipped)
+        self.stop_agreed = votes > 0
         return {
             "step": issued.step + 1,
             "epoch": issued.step // self.sampler.steps_per_epoch,
-            "loss": loss_total / max(n_trained, 1),
+            "loss": loss,
             "lr": issued.lr,
             "grad_norm": grad_norm,
+            "skipped": skipped,  # no update was applied: the loss or gradients were not finite (or fp16 overflowed)
             "tokens": n_input,
             "trained_tokens": n_trained,
             "tokens_per_s": n_input / elapsed,
@@ -187,30 +197,45 @@ class Trainer:
         Without a held-out set (data.eval_fraction 0 and no eval file) there is nothing to evaluate."""
         if first is None and self.eval_examples:
             first = self.evaluate()
+            self.nan_policy.check_eval("before training", first.loss)
             self.progress.message(
                 f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})"
             )
         self.progress.start(start_step)
         result = FitResult(first=first, last=first, records=[])
-        for step in range(start_step, self.total_steps):
-            # Dropout's randomness is a function of the step, so a resumed run draws what it would have.
-            torch.manual_seed(hash((self.cfg.train.seed, step, self.env.rank)) & 0x7FFF_FFFF)
-            record = self.step(step)
-            every = self.cfg.train.eval_every
-            due = (every and record["step"] % every == 0) or record["step"] == self.total_steps
-            if due and self.eval_examples:
-                result.last = self.evaluate()
-                record["eval_loss"], record["eval_ppl"] = result.last.loss, result.last.perplexity
-            metrics.write(record)
-            self.progress.step(record)
-            result.records.append(record)
-            result.preempted = self.stop_agreed
+        try:
+            for step in range(start_step, self.total_steps):
+                self._fit_step(step, metrics, checkpoints, result)
+                if result.preempted:
+                    break
+        except NonFiniteError:
+            # Every rank stops at the same step (what is judged was summed over ranks): the checkpoint of an
+            # earlier step, still being written in the background, is completed rather than left unfinished.
             if checkpoints is not None:
-                self._maybe_save(checkpoints, record["step"], result)
-            if result.preempted:
-                break
-        self.progress.close()
+                checkpoints.wait()
+            raise
+        finally:
+            self.progress.close()
         return result
+
+    def _fit_step(self, step: int, metrics: MetricsLog, checkpoints: CheckpointManager | None,
+                  result: FitResult) -> None:
+        """One step of `fit`: train, evaluate when due, write its metrics line, save when due."""
+        # Dropout's randomness is a function of the step, so a resumed run draws what it would have.
+        torch.manual_seed(hash((self.cfg.train.seed, step, self.env.rank)) & 0x7FFF_FFFF)
+        record = self.step(step)  # a step whose loss is not finite raises here (train.nan_policy: error)
+        every = self.cfg.train.eval_every
+        due = (every and record["step"] % every == 0) or record["step"] == self.total_steps
+        if due and self.eval_examples:
+            result.last = self.evaluate()
+            self.nan_policy.check_eval(f"after step {record['step']}", result.last.loss)
+            record["eval_loss"], record["eval_ppl"] = result.last.loss, result.last.perplexity
+        metrics.write(record)
+        self.progress.step(record)
+        result.records.append(record)
+        result.preempted = self.stop_agreed
+        if checkpoints is not None:
+            self._maybe_save(checkpoints, record["step"], result)
 
     def _maybe_save(self, checkpoints: CheckpointManager, done: int, result: FitResult) -> None:
         checkpoints.poll()
