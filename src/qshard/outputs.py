@@ -47,8 +47,8 @@ def check_target(dest: Path, what: str = "", kind: str | None = None) -> None:
         raise QShardError(f"{label}: holds files qshard did not write there ({_some(entries)}); "
                           "move them away or choose another directory")
     if marker["kind"] != kind:
-        raise QShardError(f"{label}: holds a qshard {marker['kind']} export, which a {kind} export does not "
-                          "replace; choose another directory")
+        raise QShardError(f"{label}: holds a qshard {marker['kind']} export, which `qshard export {kind}` "
+                          "does not replace; choose another directory")
     foreign = [n for n in entries if n != MARKER and not (n in marker["files"] and _plain_file(dest / n))]
     if foreign:
         raise QShardError(f"{label}: holds files the qshard {kind} export there did not write ({_some(foreign)}); "
