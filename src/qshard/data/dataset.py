@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ def _options(data_cfg: Any, fmt: str, columns: dict[str, str | None] | None = No
         train_on=data_cfg.train_on,
         overlong=data_cfg.overlong,
         on_bad_record=data_cfg.on_bad_record,
+        max_record_bytes=math.ceil(data_cfg.max_record_mb * 1e6) if data_cfg.max_record_mb else None,
     )
 
 
