@@ -34,7 +34,7 @@ from qshard.data.tokenize import Options, encode_source, make_options
 from qshard.errors import QShardError
 
 logger = logging.getLogger("qshard")
-STORE_VERSION = 2  # bump when the store layout or the encoding changes
+STORE_VERSION = 3  # bump when the store layout or the encoding changes
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def tokenized(
             "node has just written it; data.cache_dir must be one directory that every rank of a node sees"
         )
     if is_main:
-        left_out = {k: v for k, v in store.meta["stats"].items() if v and k not in ("records", "examples")}
+        left_out = {k: v for k, v in store.meta.get("stats", {}).items() if v and k not in ("records", "examples")}
         logger.info(
             "%s: %d examples (%s) from %s",
             source.name,
