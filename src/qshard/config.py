@@ -110,6 +110,9 @@ class DataConfig:
     train_on: Literal["assistant", "all"] = "assistant"
     # A malformed record stops the run, or is skipped and counted.
     on_bad_record: Literal["error", "skip"] = "error"
+    # A record larger than this many MB (10^6 bytes) is a bad record, since tokenizing one takes memory many
+    # times its size; 0 or empty: no limit.
+    max_record_mb: float | None = 16.0
     # An example longer than max_length is cut to it, or left out (counted either way).
     overlong: Literal["truncate", "drop"] = "truncate"
     # Pack several examples into each sequence of up to max_length tokens (attention kept per example).
@@ -245,6 +248,8 @@ class Config:
         _positive("data.max_length", self.data.max_length)
         _in_range("data.eval_fraction", self.data.eval_fraction, 0.0, 1.0, high_open=True)
         _positive("data.num_workers", self.data.num_workers)
+        if self.data.max_record_mb is not None:
+            _non_negative("data.max_record_mb", self.data.max_record_mb)
         if self.data.cache_max_gb is not None:
             _positive("data.cache_max_gb", self.data.cache_max_gb)
         for i, source in enumerate(self.data.sources or []):

@@ -5,7 +5,10 @@ Each entry holds a lock file. A job that uses an entry holds a shared lock on it
 has the store open, i.e. until it ends; eviction takes the lock exclusively without waiting, so an entry in
 use is never evicted, and a job that finds an entry being evicted tokenizes anew. An entry is built under a
 temporary name and renamed into place once complete, so a job killed while building leaves only a
-temporary directory, which no job opens and a later eviction pass removes."""
+temporary directory, which no job opens and a later eviction pass removes.
+
+An entry whose files do not agree with its metadata (damaged on disk, or by hand) is removed when a job
+finds it, through the same path as eviction (so never while another job has it open), and built anew."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from qshard.data.store import META, TokenStore
+from qshard.data.store import META, DamagedStore, TokenStore
 
 logger = logging.getLogger("qshard")
 LOCK = "lock"  # its modification time is the entry's last use
@@ -79,22 +82,39 @@ class TokenCache:
     # ---------------------------------------------------------------------------------------------- use
     def open(self, key: str) -> TokenStore | None:
         """The complete entry `key`, locked shared for as long as the store lives; None if there is none
-        (or it is being evicted right now)."""
+        (or it is being evicted right now, or was damaged and has just been removed)."""
         directory = self.root / key
         lock = _lock(directory / LOCK, fcntl.LOCK_SH)
         if lock is None:
+            if directory.is_dir() and not (directory / LOCK).exists():  # every entry is made with one
+                self._remove_damaged(directory, f"no {LOCK} file")
             return None
         # Between opening the lock file and locking it, the entry may have been evicted (renamed away).
-        if not _same_file(lock, directory / LOCK) or not (directory / META).is_file():
+        if not _same_file(lock, directory / LOCK):
             lock.close()
+            return None
+        try:
+            store = TokenStore(directory, lock)
+        except DamagedStore as e:
+            lock.close()
+            self._remove_damaged(directory, str(e))
             return None
         with contextlib.suppress(PermissionError):  # a cache shared read-only is still usable
             os.utime(directory / LOCK)  # last use, for the LRU order
-        return TokenStore(directory, lock)
+        return store
+
+    def _remove_damaged(self, directory: Path, problem: str) -> None:
+        try:
+            outcome = "removed" if self._remove(directory) else "left in place, as another job has it open"
+        except OSError as e:  # a cache this job may not write to
+            outcome = f"left in place ({e.strerror})"
+        logger.warning("data cache entry %s is damaged (%s): %s; tokenizing anew", directory, problem, outcome)
 
     def build(self, key: str, write: Callable[[Path], None]) -> TokenStore:
         """Make entry `key` with `write(directory)` under a temporary name, then rename it into place, locked
-        shared like `open`'s. If another process completed the same entry first, that one is used."""
+        shared like `open`'s. If another process completed the same entry first, that one is used. If a
+        damaged entry that another job holds open is in the way, this job reads its own copy, which stays
+        under the temporary name (for a later run to remove)."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{key}{BUILDING}{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
@@ -105,22 +125,35 @@ class TokenCache:
             write(tmp)
             # Shared from here on: this job uses the entry, and eviction must find it in use.
             fcntl.flock(lock, fcntl.LOCK_SH)
-            os.rename(tmp, self.root / key)
-        except OSError as e:
-            lock.close()
-            shutil.rmtree(tmp, ignore_errors=True)
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            store = self.open(key)  # another process renamed its copy into place first
-            if store is None:
-                raise
-            return store
+            placed = self._put_in_place(tmp, key)
         except BaseException:
             lock.close()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if isinstance(placed, TokenStore):  # another process's copy
+            lock.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            return placed
+        if placed is None:
+            logger.warning("data cache entry %s is in the way; this run reads its own copy, %s", self.root / key, tmp)
+            return TokenStore(tmp, lock)
         _sync_directory(self.root)  # the rename itself must survive a crash, or the entry is lost
-        return TokenStore(self.root / key, lock)
+        return TokenStore(placed, lock)
+
+    def _put_in_place(self, tmp: Path, key: str) -> Path | TokenStore | None:
+        """Rename `tmp` to entry `key`: the entry's path; or the complete entry another process put there
+        first; or None if an entry that cannot be opened (a damaged one in use) stays in the way."""
+        for _ in range(2):  # once more after a damaged entry in the way has been removed
+            try:
+                os.rename(tmp, self.root / key)
+                return self.root / key
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+            store = self.open(key)
+            if store is not None or (self.root / key).exists():
+                return store
+        return None
 
     # ----------------------------------------------------------------------------------------- eviction
     def entries(self) -> list[Entry]:

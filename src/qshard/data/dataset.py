@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from qshard.data.tokenize import Options, encode_source, make_options
 from qshard.errors import QShardError
 
 logger = logging.getLogger("qshard")
-STORE_VERSION = 2  # bump when the store layout or the encoding changes
+STORE_VERSION = 3  # bump when the store layout or the encoding changes
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def _options(data_cfg: Any, fmt: str, columns: dict[str, str | None] | None = No
         train_on=data_cfg.train_on,
         overlong=data_cfg.overlong,
         on_bad_record=data_cfg.on_bad_record,
+        max_record_bytes=math.ceil(data_cfg.max_record_mb * 1e6) if data_cfg.max_record_mb else None,
     )
 
 
@@ -170,7 +172,7 @@ def tokenized(
             "node has just written it; data.cache_dir must be one directory that every rank of a node sees"
         )
     if is_main:
-        left_out = {k: v for k, v in store.meta["stats"].items() if v and k not in ("records", "examples")}
+        left_out = {k: v for k, v in store.meta.get("stats", {}).items() if v and k not in ("records", "examples")}
         logger.info(
             "%s: %d examples (%s) from %s",
             source.name,

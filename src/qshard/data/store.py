@@ -41,6 +41,8 @@ class StoreWriter:
         self._offsets.append(self._offsets[-1] + len(ids))
 
     def close(self, meta: dict) -> None:
+        """Complete the store; `meta` is saved with the counts that opening it checks the files against."""
+        meta = {**meta, "examples": len(self._offsets) - 1, "tokens": self._offsets[-1]}
         for f in (self._ids, self._labels):
             f.flush()
             os.fsync(f.fileno())
@@ -56,15 +58,20 @@ class StoreWriter:
         self._labels.close()
 
 
+class DamagedStore(Exception):
+    """A store directory whose files do not agree with its metadata (or are missing or unreadable)."""
+
+
 class TokenStore:
     """A complete store directory, opened read-only. `lock` is an open file holding a shared lock on the
     directory (see cache.py): it lives, and so the lock holds, as long as this store, so that no other job
-    evicts the directory meanwhile; the lock goes when the file is closed or the process ends."""
+    evicts the directory meanwhile; the lock goes when the file is closed or the process ends.
+
+    Its files are checked against the metadata's counts first; DamagedStore says what is wrong."""
 
     def __init__(self, directory: Path, lock: BinaryIO | None = None):
         self.directory, self.lock = directory, lock
-        self.meta = json.loads((directory / META).read_text())
-        self.offsets = np.load(directory / OFFSETS)
+        self.meta, self.offsets = _checked(directory)
         total = int(self.offsets[-1])
         # np.memmap refuses empty files; a store with no tokens has no examples to read anyway.
         self.ids = np.memmap(directory / IDS, np.int32, "r", shape=(total,)) if total else np.zeros(0, np.int32)
@@ -79,6 +86,33 @@ class TokenStore:
     def example(self, i: int) -> Example:
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         return Example(self.ids[start:end].tolist(), self.labels[start:end].tolist())
+
+
+def _checked(directory: Path) -> tuple[dict, np.ndarray]:
+    """(metadata, offsets) of a store, once its files agree with them."""
+    try:
+        meta = json.loads((directory / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedStore(f"{META} unreadable: {e}") from None
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("examples", "tokens")):
+        raise DamagedStore(f"{META} lacks the example and token counts")
+    try:
+        offsets = np.load(directory / OFFSETS, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DamagedStore(f"{OFFSETS} unreadable: {e}") from None
+    if offsets.dtype != np.int64 or offsets.shape != (meta["examples"] + 1,):
+        raise DamagedStore(f"{OFFSETS} holds {offsets.dtype} {offsets.shape}, not {meta['examples'] + 1} int64 offsets")
+    if offsets[0] != 0 or offsets[-1] != meta["tokens"] or (np.diff(offsets) < 0).any():
+        raise DamagedStore(f"{OFFSETS} does not run from 0 up to the {meta['tokens']} tokens")
+    expected = 4 * meta["tokens"]  # int32
+    for name in (IDS, LABELS):
+        try:
+            size = (directory / name).stat().st_size
+        except OSError as e:
+            raise DamagedStore(f"{name} unreadable: {e}") from None
+        if size != expected:
+            raise DamagedStore(f"{name} has {size} bytes, not the {expected} of {meta['tokens']} tokens")
+    return meta, offsets
 
 
 class ExampleView(Sequence):

@@ -18,7 +18,7 @@ import numpy as np
 from qshard.data.example import IGNORE_INDEX, Example
 from qshard.data.formats import FORMATS, detect_format
 from qshard.data.hf import HubDataset
-from qshard.data.records import BadRecord, data_files, decode, read_raw
+from qshard.data.records import BadRecord, bounded, data_files, decode, read_raw
 from qshard.data.templates import Encoder
 from qshard.errors import QShardError
 
@@ -37,6 +37,9 @@ class Options:
     train_on: str = "assistant"
     overlong: str = "truncate"
     on_bad_record: str = "error"
+    # A record larger than this (bytes) is a bad record: tokenizing one takes memory many times its size.
+    # None: no limit. The default is data.max_record_mb's.
+    max_record_bytes: int | None = 16_000_000
 
     @property
     def columns_map(self) -> dict[str, str]:
@@ -54,6 +57,9 @@ class Options:
             raise QShardError(f"data.overlong: must be truncate or drop, got {self.overlong!r}")
         if self.on_bad_record not in ("error", "skip"):
             raise QShardError(f"data.on_bad_record: must be error or skip, got {self.on_bad_record!r}")
+        limit = self.max_record_bytes
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise QShardError(f"data.max_record_mb: must be a positive size, got {self.max_record_bytes!r} bytes")
 
 
 @dataclass
@@ -166,13 +172,15 @@ def _file_chunks(records: Iterator[tuple[str, Any]], opts: Options) -> Iterator[
         yield fmt, chunk
 
 
-def _records_of(source: str | Path | HubDataset, split: str | None) -> Iterator[Iterator[tuple[str, Any]]]:
+def _records_of(
+    source: str | Path | HubDataset, split: str | None, max_record_bytes: int | None
+) -> Iterator[Iterator[tuple[str, Any]]]:
     """The records of each data file of a source (a hub dataset is one)."""
     if isinstance(source, HubDataset):
-        yield source.records()
+        yield bounded(source.records(), max_record_bytes)
         return
     for file in data_files(source):
-        yield read_raw(file, split)
+        yield read_raw(file, split, max_record_bytes)
 
 
 def encode_source(
@@ -189,7 +197,8 @@ def encode_source(
     source = source if isinstance(source, HubDataset) else Path(source)
     opts.check(source)
     encoder = Encoder(tokenizer, opts.chat_template, opts.train_on, opts.columns_map)  # option errors up front
-    chunks = (item for records in _records_of(source, split) for item in _file_chunks(records, opts))
+    files = _records_of(source, split, opts.max_record_bytes)
+    chunks = (item for records in files for item in _file_chunks(records, opts))
     if num_workers > 1:
         results = _parallel(chunks, tokenizer, opts, num_workers)
     else:
