@@ -339,6 +339,9 @@ def test_yaml_file_problems(tmp_path):
     binary.write_bytes(b"lora: {rank: 8}\n\xff\xfe\x00")
     assert error_of("--config", str(binary)).startswith(f"{binary}: not a YAML text file")
     assert load_yaml(write(tmp_path, "# only a comment\n")) == {}
+    deep = write(tmp_path, "lora: " + "[" * 100_000 + "\n")
+    assert error_of("--config", str(deep)) == f"{deep}: invalid YAML (nested too deeply to read)"
+    assert "lora.rank must be an integer" in error_of("--lora.rank", "[" * 100_000)
 
 
 # ----------------------------------------------------------------------------------------------- demo preset

@@ -469,6 +469,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         raise QShardError(f"{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    except RecursionError:
+        raise QShardError(f"{path}: invalid YAML (nested too deeply to read)") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -495,7 +497,7 @@ def parse_value(text: str, dotted: str | None = None) -> Any:
     date and `--output.dir on` into true, and the shell leaves no way to quote them."""
     try:
         value = yaml.safe_load(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return text
     if value is not None and dotted is not None and _option_type(dotted) is str:
         return text
