@@ -95,6 +95,7 @@ class Trainer:
         self.progress = Progress(self.total_steps, env.is_main, t.log_every)
         self.stop_requested = False  # set on this rank by the preemption signal handler
         self.stop_agreed = False  # set by the last step: some rank was asked to stop
+        self.current_step = 0  # the step `fit` runs (1-based), for the message of a collective that fails in it
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
 
@@ -193,6 +194,7 @@ class Trainer:
         self.progress.start(start_step)
         result = FitResult(first=first, last=first, records=[])
         for step in range(start_step, self.total_steps):
+            self.current_step = step + 1
             # Dropout's randomness is a function of the step, so a resumed run draws what it would have.
             torch.manual_seed(hash((self.cfg.train.seed, step, self.env.rank)) & 0x7FFF_FFFF)
             record = self.step(step)

@@ -23,7 +23,7 @@ from qshard.build import build_model, describe, files_from_rank0, load_tokenizer
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.errors import QShardError
-from qshard.parallel.distributed import DistEnv, init_distributed, shutdown
+from qshard.parallel.distributed import DistEnv, collective_errors, init_distributed, set_timeout, shutdown
 from qshard.train.loop import EvalResult, Trainer
 from qshard.train.metrics import MetricsLog
 
@@ -75,9 +75,10 @@ class RunResult:
 
 
 def run_training(cfg: Config) -> RunResult:
-    env = init_distributed(cpu_collectives=cfg.parallel.cpu_offload)
+    env = init_distributed(cfg.parallel.cpu_offload, ("parallel.load_timeout_s", cfg.parallel.load_timeout_s))
     try:
-        return train(cfg, env)
+        with collective_errors(env):
+            return train(cfg, env)
     finally:
         shutdown()
 
@@ -130,7 +131,12 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
 
     checkpoints = CheckpointManager(out / "checkpoints", cfg, env.is_main, env.device)
     metrics = _open_outputs(cfg, env, out, keep_until=start_step)
-    with _preemption_handler(trainer):
+    set_timeout(env, "parallel.timeout_s", cfg.parallel.timeout_s)  # loading is over: ranks now keep in step
+
+    def at_step() -> str:
+        return f" at step {trainer.current_step}" if trainer.current_step else " before the first step"
+
+    with _preemption_handler(trainer), collective_errors(env, at_step):
         try:
             fit = trainer.fit(metrics, start_step, checkpoints, first)
         finally:
