@@ -2,7 +2,8 @@
 each run signalled once it trains (its first metrics line is written), never after a fixed sleep.
 
 Preemption signals reach the ranks, which save and exit 0; a killed launcher takes its ranks along; a
-stopped rank makes the others time out with one line; a killed rank is named as the cause."""
+stopped rank makes the others time out with one line; a killed rank is named as the cause. The timeouts'
+options are checked in this process, before anything is loaded."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from conftest import cli, cli_env
 
 from qshard.checkpoint import complete_checkpoints
+from qshard.cli import main as cli_main
 
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d qshard: ")  # the ranks' progress lines (rank 0 logs)
 TIMEOUT_S = 4  # the stopped-rank run's collective timeout: far above a step here, even on a busy machine
@@ -140,3 +142,16 @@ def test_killed_rank_is_named_as_the_cause(inputs, tmp_path):
     # Only the dead rank, not rank 0, whose collectives failed because of it.
     assert _messages(stderr) == ["qshard: rank 1 died (SIGKILL)"], stderr
     assert run.ranks_left(wait=0) == []
+
+
+@pytest.mark.parametrize(("option", "value", "needle"), [
+    ("parallel.timeout_s", "0", "parallel.timeout_s must be > 0, got 0.0"),
+    ("parallel.load_timeout_s", "-5", "parallel.load_timeout_s must be > 0, got -5.0"),
+    ("parallel.timeout_s", "1e12", "parallel.timeout_s must be in [0.0, 31536000.0]"),
+    ("parallel.load_timeout_s", "inf", "parallel.load_timeout_s must be a finite number"),
+])
+def test_timeouts_are_checked_up_front(tmp_path, capsys, option, value, needle):
+    code = cli_main(["train", "--output-dir", str(tmp_path / "run"), f"--{option}", value])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert not (tmp_path / "run").exists()
