@@ -266,7 +266,7 @@ class _Supervisor:
                 if (rank.pid, index) not in self.relayed:
                     self.relayed.add((rank.pid, index))
                     self._signal(rank.pid, sig)
-        if self.received.count(signal.SIGINT) == 1 and self.interrupted_at is None:
+        if signal.SIGINT in self.received and self.interrupted_at is None:
             self.interrupted_at = time.monotonic()
         interrupted = self.interrupted_at is not None and (
             self.received.count(signal.SIGINT) > 1 or time.monotonic() - self.interrupted_at > INTERRUPT_GRACE_S

@@ -99,6 +99,9 @@ def shutdown() -> None:
 def set_timeout(env: DistEnv, option: str, seconds: float) -> None:
     """From now on every process group of this rank (the default one, the mesh's, the checkpoint writer's)
     gives up a collective after `seconds`; `option` is the setting they come from."""
+    # Every rank gets here under the old timeout first: a rank done early would otherwise wait under the
+    # new, shorter one for a rank still at work that the old one allows (the end of loading, say).
+    dist.barrier()
     for group in list(c10d._world.pg_map):
         c10d._set_pg_timeout(timedelta(seconds=seconds), group)
     env.timeout = f"{option}: {seconds:g} s"
