@@ -24,6 +24,8 @@ Schedule = Literal["constant", "linear", "cosine"]
 DataFormat = Literal["auto", "instruction", "chat", "sharegpt", "text"]
 Precision = Literal["fp32", "bf16", "bf16_mixed", "fp16_mixed"]
 Sharding = Literal["full", "grad_op", "none", "hybrid"]
+# The longest collective timeout accepted (a year): far beyond any wait that could end well.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 @dataclass
@@ -172,6 +174,11 @@ class TrainConfig:
 class ParallelConfig:
     # Processes to start on this machine through torchrun's launcher (1: run in this process).
     nproc: int = 1
+    # Seconds a collective may wait for the other ranks once training has begun; then every rank still
+    # waiting stops with an error naming the collective (a stopped or hung rank would hang them forever).
+    timeout_s: float = 600.0
+    # The same while the model is loaded, where ranks quantize for minutes between collectives.
+    load_timeout_s: float = 3600.0
     # Recompute blocks' activations in backward instead of keeping them: every `ac_every`-th block
     # (blocks 0, k, 2k, ...), through torch.utils.checkpoint, reentrant or not.
     activation_checkpointing: bool = True
@@ -271,6 +278,9 @@ class Config:
         _positive("train.log_every", self.train.log_every)
         _non_negative("train.loss_chunk_tokens", self.train.loss_chunk_tokens)
         _positive("parallel.nproc", self.parallel.nproc)
+        for name in ("timeout_s", "load_timeout_s"):
+            _positive(f"parallel.{name}", getattr(self.parallel, name))
+            _in_range(f"parallel.{name}", getattr(self.parallel, name), 0.0, MAX_TIMEOUT_S)
         self._validate_quant()
         self._validate_precision()
         self._validate_parallel()

@@ -6,3 +6,8 @@ class QShardError(Exception):
 
     Internal invariants use ``assert``; anything caused by input (options, files, data) raises this.
     """
+
+
+class CollectiveError(QShardError):
+    """A collective that timed out or lost a peer: a consequence of another rank's failure, which the
+    launcher names instead of this error when it can."""

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from qshard.errors import CollectiveError
+
+# Words of the backends' messages (gloo's RuntimeError, NCCL's DistBackendError) for a collective that waited
+# past its timeout, and for one whose peer went away (died, or had its connections torn down).
+_TIMED_OUT = ("timed out", "timeout")
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "communicator was aborted")
+# Words of torch.distributed's function names (c10d's API, FSDP2's collectives) that say which collective a
+# failing frame ran, checked in order ("foreach_reduce" is FSDP2's reduce-scatter of gradients).
+_COLLECTIVES = (
+    ("reduce_scatter", "reduce-scatter"), ("foreach_reduce", "reduce-scatter"), ("all_gather", "all-gather"),
+    ("all_reduce", "all-reduce"), ("broadcast", "broadcast"), ("barrier", "barrier"), ("all_to_all", "all-to-all"),
+)
 
 
 @dataclass
@@ -17,6 +36,9 @@ class DistEnv:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
+    # The collective timeout in force and the option that set it ("parallel.timeout_s: 600 s"), for the
+    # message of a collective that times out.
+    timeout: str = "torch's default timeout"
 
     @property
     def is_main(self) -> bool:
@@ -35,13 +57,17 @@ def _adopt_slurm_env() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
-def init_distributed(cpu_collectives: bool = False) -> DistEnv:
+def init_distributed(cpu_collectives: bool = False, timeout: tuple[str, float] | None = None) -> DistEnv:
     """Join (or create) the process group and build the 1-D data-parallel mesh.
 
     A lone process gets a world of one through an in-memory store, so that training always runs
     through FSDP2, whatever the world size. `cpu_collectives` adds gloo beside NCCL for tensors that
-    live on the CPU: under CPU offload the gradient-norm reduction runs on CPU gradient shards."""
+    live on the CPU: under CPU offload the gradient-norm reduction runs on CPU gradient shards.
+    `timeout`: (the option that sets it, seconds) a collective waits for the other ranks; None: torch's default."""
     _adopt_slurm_env()
+    # A collective that fails inside a forward passes FSDP2's hooks on its way out, and torch warns (over
+    # several lines) of what it silenced there: the failure itself is reported in one line instead.
+    warnings.filterwarnings("ignore", message="module forward hook with ``always_call=True`` raised an exception")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -51,16 +77,59 @@ def init_distributed(cpu_collectives: bool = False) -> DistEnv:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
+        delta = None if timeout is None else timedelta(seconds=timeout[1])
         if "WORLD_SIZE" in os.environ:
             kwargs = {"device_id": device} if device.type == "cuda" else {}
-            dist.init_process_group(backend, **kwargs)
+            dist.init_process_group(backend, timeout=delta, **kwargs)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    return DistEnv(dist.get_rank(), world_size, local_rank, device, mesh)
+    env = DistEnv(dist.get_rank(), world_size, local_rank, device, mesh)
+    if timeout is not None:
+        env.timeout = f"{timeout[0]}: {timeout[1]:g} s"
+    return env
 
 
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def set_timeout(env: DistEnv, option: str, seconds: float) -> None:
+    """From now on every process group of this rank (the default one, the mesh's, the checkpoint writer's)
+    gives up a collective after `seconds`; `option` is the setting they come from."""
+    # Every rank gets here under the old timeout first: a rank done early would otherwise wait under the
+    # new, shorter one for a rank still at work that the old one allows (the end of loading, say).
+    dist.barrier()
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    env.timeout = f"{option}: {seconds:g} s"
+
+
+@contextlib.contextmanager
+def collective_errors(env: DistEnv, where: Callable[[], str] = str) -> Iterator[None]:
+    """A collective that times out or loses a peer inside this block becomes a CollectiveError of one line,
+    naming this rank, the collective, `where()` it ran (e.g. " at step 12") and the timeout in force,
+    instead of the backend's traceback. Other errors pass unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc).lower()
+        if any(words in text for words in _TIMED_OUT):
+            what = f"timed out waiting for the other ranks ({env.timeout}): one of them stopped or hung"
+        elif any(words in text for words in _PEER_LOST):
+            what = "lost its connection to another rank, which died or was stopped"
+        else:
+            raise
+        raise CollectiveError(f"rank {env.rank}: {_collective(exc)}{where()} {what}") from None
+
+
+def _collective(exc: BaseException) -> str:
+    """The collective a backend error was raised in, from the innermost torch.distributed frame that names one."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if f"torch{os.sep}distributed" in frame.filename:
+            name = next((name for word, name in _COLLECTIVES if word in frame.name), None)
+            if name is not None:
+                return name
+    return "a collective"

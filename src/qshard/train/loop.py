@@ -98,6 +98,7 @@ class Trainer:
         self.progress = Progress(self.total_steps, env.is_main, t.log_every)
         self.stop_requested = False  # set on this rank by the preemption signal handler
         self.stop_agreed = False  # set by the last step: some rank was asked to stop
+        self.current_step = 0  # the step `fit` runs (1-based), for the message of a collective that fails in it
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
 
@@ -221,6 +222,7 @@ class Trainer:
     def _fit_step(self, step: int, metrics: MetricsLog, checkpoints: CheckpointManager | None,
                   result: FitResult) -> None:
         """One step of `fit`: train, evaluate when due, write its metrics line, save when due."""
+        self.current_step = step + 1
         # Dropout's randomness is a function of the step, so a resumed run draws what it would have.
         torch.manual_seed(hash((self.cfg.train.seed, step, self.env.rank)) & 0x7FFF_FFFF)
         record = self.step(step)  # a step whose loss is not finite raises here (train.nan_policy: error)

@@ -24,7 +24,7 @@ from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.data import GlobalBatchSampler
 from qshard.errors import QShardError
-from qshard.parallel.distributed import DistEnv, init_distributed, shutdown
+from qshard.parallel.distributed import DistEnv, collective_errors, init_distributed, set_timeout, shutdown
 from qshard.train.loop import EvalResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 
@@ -93,9 +93,10 @@ class RunResult:
 
 
 def run_training(cfg: Config) -> RunResult:
-    env = init_distributed(cpu_collectives=cfg.parallel.cpu_offload)
+    env = init_distributed(cfg.parallel.cpu_offload, ("parallel.load_timeout_s", cfg.parallel.load_timeout_s))
     try:
-        return train(cfg, env)
+        with collective_errors(env):
+            return train(cfg, env)
     finally:
         shutdown()
 
@@ -180,7 +181,12 @@ def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
 
     checkpoints = CheckpointManager(out / "checkpoints", cfg, env.is_main, env.device)
     metrics = _open_outputs(cfg, env, out, kept_metrics, replace=cfg.output.overwrite and not continuing)
-    with _preemption_handler(trainer):
+    set_timeout(env, "parallel.timeout_s", cfg.parallel.timeout_s)  # loading is over: ranks now keep in step
+
+    def at_step() -> str:
+        return f" at step {trainer.current_step}" if trainer.current_step else " before the first step"
+
+    with _preemption_handler(trainer), collective_errors(env, at_step):
         try:
             fit = trainer.fit(metrics, start_step, checkpoints, first)
         finally:
