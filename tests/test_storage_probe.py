@@ -70,6 +70,20 @@ def _canonicalizing_copy_in():
     return lambda: setattr(collectives, "_get_param_all_gather_inputs", original)
 
 
+def _torch_takes_integers(mesh) -> bool:
+    """The test's own answer to the question qshard asks once per process: does this torch's fully_shard take
+    a frozen integer parameter?"""
+    from torch.distributed.fsdp import fully_shard
+
+    module = torch.nn.Module()
+    module.codes = torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.uint8), requires_grad=False)
+    try:
+        fully_shard(module, mesh=mesh)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _gathered_storage(model) -> dict[str, torch.Tensor]:
     """Block 0's q_proj storage, all-gathered by its FSDP2 unit."""
     block = model.model.layers[0]
@@ -105,12 +119,13 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     logging.getLogger("qshard").addHandler(lines)
     logging.getLogger("qshard").setLevel(logging.INFO)
     env = init_distributed()
-    holds_integers = fsdp.fsdp_holds_integers(env.mesh)
-    results = {"holds_integers": holds_integers}
+    takes_integers = _torch_takes_integers(env.mesh)
+    detected = getattr(fsdp, "fsdp_holds_integers", lambda mesh: None)(env.mesh)
+    results = {"takes_integers": takes_integers, "detected": detected}
 
     def use_carriers(yes: bool) -> None:
         # The internal switch: this torch's answer, or float carriers as on a torch whose FSDP2 refuses integers.
-        fsdp.fsdp_holds_integers = (lambda mesh: False) if yes else (lambda mesh: holds_integers)
+        fsdp.fsdp_holds_integers = (lambda mesh: False) if yes else (lambda mesh: detected)
 
     for name, (integers, extra) in RUNS.items():
         use_carriers(not integers)
@@ -123,7 +138,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     # Broken copy paths, each refused at build time (before any weight is read).
     cfg = config_mod.resolve(None, _options(model_dir, f"{out}/broken", []))
     use_carriers(True)
-    unit_policy = fsdp.storage_unit_policy
+    unit_policy = getattr(fsdp, "storage_unit_policy", None)
     fsdp.storage_unit_policy = lambda mp: MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # a unit that casts
     results["casting"] = _build_error(cfg, env, model_dir)
     fsdp.storage_unit_policy = unit_policy
@@ -165,7 +180,8 @@ def test_integer_storage_is_gathered_as_the_single_process_quantization(ranks, t
     scales themselves, beside its fp32 adapters, also with compiled blocks, CPU offload, grad_op and hybrid
     sharding."""
     _, results = ranks
-    if not results[0]["holds_integers"]:
+    assert [res["detected"] for res in results] == [res["takes_integers"] for res in results]
+    if not results[0]["takes_integers"]:
         pytest.skip(f"torch {torch.__version__}'s FSDP2 refuses integer parameters: the carriers are used")
     for name in [name for name, (integers, _) in RUNS.items() if integers]:
         want = _quantized(tiny_models("llama"), name.split("-")[0])
@@ -181,6 +197,8 @@ def test_integer_storage_trains_exactly_as_the_carriers(ranks, tiny_models):
     carriers too come back as the single-process quantization's bytes."""
     out, results = ranks
     for integers, carriers in PAIRS:
+        if results[0]["takes_integers"]:  # else both hold carriers: nothing to compare
+            assert {t.dtype for t in results[0][integers]["gathered"].values()} == {torch.uint8, torch.int32}
         losses = _losses(out / integers)
         assert len(losses) == STEPS and all(loss == loss for loss in losses)  # finite, not NaN
         if integers == "nf4-int":  # the same eager computation on the same bytes
@@ -202,7 +220,7 @@ def test_probe_passes_on_the_real_path_and_says_so(ranks):
     for res in results:
         for name, (integers, _) in RUNS.items():
             (line,) = res[name]["probe"]
-            kinds = "uint8/int32" if integers and res["holds_integers"] else "bfloat16/float32"
+            kinds = "uint8/int32" if integers and res["takes_integers"] else "bfloat16/float32"
             method = name.split("-")[0].upper()
             assert line.startswith(f"FSDP2 gathers the {method} storage (as {kinds}) byte for byte: checked on cpu, "
                                    "mesh of 2 ranks, 1088 bytes"), line
@@ -221,7 +239,7 @@ def test_a_copy_path_that_changes_bytes_is_refused_at_build(ranks):
         assert message is not None and "\n" not in message
         assert message.startswith(f"FSDP2 in torch {version} changes the bytes of the 4-bit storage it gathers (")
         assert message.endswith(" of 1088 bytes differ); set parallel.quant_sharding: dtensor")
-        if res["holds_integers"]:
+        if res["takes_integers"]:
             assert res["canonicalizing-int"] is None
 
 
