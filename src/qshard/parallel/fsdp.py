@@ -209,6 +209,22 @@ def quant_sharding(cfg: Config) -> str:
     return "dtensor" if cfg.parallel.quant_sharding == "dtensor" else "fsdp"
 
 
+def storage_for_units(model: nn.Module, blocks: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Ready the quantized storage of the blocks FSDP2 units will hold: as it is where this FSDP2 holds integer
+    parameters, else in float carriers (`carry_storage_in_float`). Storage used in place (`in_place` blocks)
+    keeps its integer dtypes: a compiled graph that views the fp32 scale carrier back as int32 and again as
+    fp32 (the views fold away) fails the compiler's partitioner when the checkpoint is traced into the graph."""
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    assert all(id(m) in in_blocks for m in model.modules() if isinstance(m, QUANTIZED_LINEARS)), \
+        "quantized storage outside the blocks would join a unit that casts (embedding, head or root)"
+    if fsdp_holds_integers(mesh):
+        return
+    kept = {id(m) for b in in_place for m in b.modules()}
+    for module in model.modules():
+        if isinstance(module, QUANTIZED_LINEARS) and id(module) not in kept:
+            carry_storage_in_float(module)
+
+
 def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: Config) -> str:
     """Checkpointing first, then compilation, then one FSDP unit per block, the embedding and the head, then
     the root.
@@ -218,14 +234,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     quantized = [how == "fsdp" and any(isinstance(m, QUANTIZED_LINEARS) for m in b.modules()) for b in blocks]
     in_place_blocks = [b for b, q in zip(blocks, quantized) if q] if blocks_in_place(mesh, cfg) else []
     if how == "fsdp":
-        if not fsdp_holds_integers(mesh):
-            # Only what an FSDP2 unit will hold needs a float carrier. Storage used in place keeps its integer
-            # dtypes: a compiled graph that views the fp32 scale carrier back as int32 and again as fp32 (the
-            # views fold away) fails the compiler's partitioner when the checkpoint is traced into the graph.
-            kept = {id(m) for b in in_place_blocks for m in b.modules()}
-            for module in model.modules():
-                if isinstance(module, QUANTIZED_LINEARS) and id(module) not in kept:
-                    carry_storage_in_float(module)
+        storage_for_units(model, blocks, in_place_blocks, mesh)
     else:
         for module in model.modules():
             if isinstance(module, QUANTIZED_LINEARS):
