@@ -200,9 +200,10 @@ class ParallelConfig:
     cpu_offload: bool = False
     # Move the activations saved for backward to (pinned) CPU memory during forward, back in backward.
     activation_offload: bool = False
-    # Who shards the NF4/HQQ codes and scales: FSDP2 itself (grouped, prefetched all-gathers; the bytes ride
-    # in bf16/fp32 carrier tensors, so any torch's FSDP2 takes them), or DTensor buffers gathered
-    # per layer on use (what cpu_offload keeps in host memory a block at a time). auto: FSDP2.
+    # Who shards the NF4/HQQ codes and scales: FSDP2 itself (grouped, prefetched all-gathers; as integers, or
+    # as bf16/fp32 carriers of the bytes where its FSDP2 refuses integers, checked byte for byte at build
+    # time), or DTensor buffers gathered per layer on use (what cpu_offload keeps in host memory a block at a
+    # time). auto: FSDP2.
     quant_sharding: Literal["auto", "fsdp", "dtensor"] = "auto"
     # Compile each transformer block's forward with torch.compile (fewer, fused kernels; the first steps
     # pay the compilation). The backend is for tests and debugging (aot_eager runs without a C compiler).

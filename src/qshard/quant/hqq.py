@@ -146,7 +146,7 @@ def split_scale_zero(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize_hqq(packed: torch.Tensor, scale_zero: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize_hqq`, on any block of whole rows; computed in fp32, returned in `dtype`."""
-    packed, scale_zero = packed.view(torch.uint8), scale_zero.view(torch.int32)  # from a float carrier
+    packed, scale_zero = packed.view(torch.uint8), scale_zero.view(torch.int32)  # a float carrier, if one
     out_features, n_groups = scale_zero.shape
     codes = unpack_codes(packed, bits).view(out_features, n_groups, -1).float()
     scale, zero = split_scale_zero(scale_zero)

@@ -4,9 +4,10 @@ Why integer storage: FSDP2 casts every *floating* parameter to the MixedPrecisio
 before all-gathering it, so packed 4-bit codes kept as bf16 *values* would be mangled (bit patterns that
 read as NaN are canonicalized, bnb issue #1945) and fp32 scales rounded to bf16. The layer's own tensors
 are therefore integers: codes as uint8 and each block's fp32 absmax as its raw int32 bits, sharded and
-all-gathered byte for byte, about a quarter of bf16's traffic. Under FSDP2 they travel in float
-*carriers* of the same bytes in units that cast nothing (parallel/fsdp.py); the dequantizers below view
-whatever arrives back as uint8/int32 first.
+all-gathered byte for byte, about a quarter of bf16's traffic. FSDP2 holds them as they are where it
+takes integer parameters, else as float *carriers* of the same bytes, in units that cast nothing; either
+way a build-time probe checks that its gathers return every byte (parallel/fsdp.py). The dequantizers
+below view whatever arrives back as uint8/int32 first.
 
 Layout: bitsandbytes' NF4 layout of the row-major flattened weight, reshaped so that dim 0 is the
 output row. With `in_features % blocksize == 0` no quantization block straddles two rows, so FSDP2's
@@ -40,7 +41,7 @@ def quantize_nf4(weight: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, to
 def dequantize_nf4(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize_nf4`: bitsandbytes' kernel (CUDA) or its CPU path, called through its op directly
     (its Python wrapper builds a QuantState and validates it on every call: CPU time in every forward)."""
-    packed, absmax_bits = packed.view(torch.uint8), absmax_bits.view(torch.int32)  # from a float carrier
+    packed, absmax_bits = packed.view(torch.uint8), absmax_bits.view(torch.int32)  # a float carrier, if one
     out_features, half_in = packed.shape
     in_features = half_in * 2
     blocksize = in_features // absmax_bits.shape[1]
@@ -53,7 +54,7 @@ def dequantize_nf4(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch
 def dequantize_nf4_torch(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The same function in plain torch ops (bit-identical: a table lookup, then one fp32 multiply per weight),
     for compiled blocks: the compiler fuses it into a single kernel, where bitsandbytes' op is opaque."""
-    packed, absmax_bits = packed.view(torch.uint8), absmax_bits.view(torch.int32)  # from a float carrier
+    packed, absmax_bits = packed.view(torch.uint8), absmax_bits.view(torch.int32)  # a float carrier, if one
     out_features, half_in = packed.shape
     n_blocks = absmax_bits.shape[1]
     codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(out_features, n_blocks, -1)
