@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from qshard import checkpoint, export, outputs
+from qshard import checkpoint, export, outputs, rundir
 from qshard import config as config_mod
 from qshard.build import build_model, local_model_dir
 from qshard.errors import QShardError
-from qshard.parallel.distributed import init_distributed, shutdown
+from qshard.parallel.distributed import DistEnv, held_by_rank0, init_distributed, shutdown
 from qshard.train.run import base_fingerprint, base_model_name
 
 log = logging.getLogger("qshard")
@@ -33,7 +33,20 @@ def find_checkpoint(run_dir: Path, explicit: str | None) -> Path:
 
 def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, max_shard_gib: float) -> Path:
     """Write the adapter or merged model of `run_dir`'s checkpoint (its newest, or `ckpt_arg`) to `out`
-    (default: the run's adapter/ or merged/), after refusing any `out` whose contents are not its own."""
+    (default: the run's adapter/ or merged/), after refusing any `out` whose contents are not its own. The run
+    is locked meanwhile, as a training run locks it: none writes into it, or prunes the checkpoint read."""
+    if not run_dir.is_dir():
+        raise QShardError(f"--run: {run_dir} is not a directory")
+    env = init_distributed()
+    try:
+        with held_by_rank0(lambda: rundir.run_lock(run_dir), env.is_main):
+            return _export(kind, run_dir, ckpt_arg, out, max_shard_gib, env)
+    finally:
+        shutdown()
+
+
+def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, max_shard_gib: float,
+            env: DistEnv) -> Path:
     ckpt = find_checkpoint(run_dir, ckpt_arg)
     state = checkpoint.read_state(ckpt)
     cfg = config_mod.resolve(str(ckpt / "config.yaml"), [])
@@ -51,23 +64,19 @@ def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None,
                           "tokenizer from; export the adapter instead")
     if kind == "adapter" and cfg.train.train_type in ("full", "llama_pro"):
         raise QShardError(f"{ckpt}: a {cfg.train.train_type} run has no adapter; use `qshard export merged`")
-    env = init_distributed()
-    try:
-        model, report = build_model(cfg, env, local_model_dir(cfg, env))
-        checkpoint.load(ckpt, model, optimizer=None)
-        if kind == "adapter":
-            tensors = export.gather_lora(model)
-            if env.is_main:
-                export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base_model_name(cfg))
-        else:
-            weights = export.model_weights(model, torch.bfloat16, merge_adapters=True)
-            export.write_merged(out, weights, Path(cfg.model.path), env.is_main, int(max_shard_gib * 2**30),
-                                torch.bfloat16)
+    model, report = build_model(cfg, env, local_model_dir(cfg, env))
+    checkpoint.load(ckpt, model, optimizer=None)
+    if kind == "adapter":
+        tensors = export.gather_lora(model)
         if env.is_main:
-            log.info("exported %s from %s to %s", kind, ckpt, out)
-        return out
-    finally:
-        shutdown()
+            export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base_model_name(cfg))
+    else:
+        weights = export.model_weights(model, torch.bfloat16, merge_adapters=True)
+        export.write_merged(out, weights, Path(cfg.model.path), env.is_main, int(max_shard_gib * 2**30),
+                            torch.bfloat16)
+    if env.is_main:
+        log.info("exported %s from %s to %s", kind, ckpt, out)
+    return out
 
 
 def _check_out(out: Path, run_dir: Path, ckpt: Path, cfg: config_mod.Config) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from qshard import expert_layout
 from qshard.adapters import LoRALinear
 from qshard.errors import QShardError
+from qshard.parallel.distributed import from_rank0, one_line
 from qshard.parallel.mesh import local_piece
 from qshard.quant import HQQLinear, NF4Linear, quantize_nf4
 from qshard.quant.experts import NF4Experts
@@ -762,7 +763,7 @@ class BroadcastSource:
                 meta[0] = ("ok", str(ckpt.dir), ckpt.index and str(ckpt.index),
                            {n: (ckpt.shape(n), ckpt.dtype(n), str(ckpt.files[n])) for n in ckpt.names()})
         except Exception as exc:  # any failure on rank 0 must reach the others, which wait in the broadcast
-            meta[0] = ("error", _one_line(exc))
+            meta[0] = ("error", one_line(exc))
         dist.broadcast_object_list(meta, src=0)
         if meta[0][0] == "error":
             raise QShardError(meta[0][1])
@@ -795,32 +796,10 @@ class BroadcastSource:
             self._ckpt.close()
 
 
-T = TypeVar("T")
 # Files of a model directory that hold weights; every other file (config, tokenizer, generation config)
 # is what a rank needs besides the weights.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 SHARED_FILE_MAX_BYTES = 256 << 20  # larger non-weight files (an optimizer dump left in the directory) stay
-
-
-def _one_line(exc: Exception) -> str:
-    """A QShardError's own message; anything else (an OSError reading the files, ...) named by its type."""
-    return str(exc) if isinstance(exc, QShardError) else f"on rank 0: {type(exc).__name__}: {exc}"
-
-
-def from_rank0(compute: Callable[[], T], is_main: bool) -> T:
-    """`compute()` run on rank 0 only, its result given to every rank; an error it raises is raised on
-    every rank as a QShardError (a collective: no rank waits forever for a rank 0 that failed)."""
-    box: list = [None]
-    if is_main:
-        try:
-            box[0] = ("ok", compute())
-        except Exception as exc:
-            box[0] = ("error", _one_line(exc))
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        raise QShardError(value)
-    return value
 
 
 def model_files_from_rank0(model_dir: str | Path | None, is_main: bool) -> Path:

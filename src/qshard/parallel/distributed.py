@@ -7,15 +7,19 @@ import os
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from qshard.errors import CollectiveError
+from qshard.errors import CollectiveError, QShardError
+
+T = TypeVar("T")
 
 # Words of the backends' messages (gloo's RuntimeError, NCCL's DistBackendError) for a collective that waited
 # past its timeout, and for one whose peer went away (died, or had its connections torn down).
@@ -133,3 +137,41 @@ def _collective(exc: BaseException) -> str:
             if name is not None:
                 return name
     return "a collective"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Work that rank 0 alone does, whose outcome (a result or an error) every rank shares.
+
+
+def one_line(exc: Exception) -> str:
+    """A QShardError's own message; anything else (an OSError reading the files, ...) named by its type."""
+    return str(exc) if isinstance(exc, QShardError) else f"on rank 0: {type(exc).__name__}: {exc}"
+
+
+def from_rank0(compute: Callable[[], T], is_main: bool) -> T:
+    """`compute()` run on rank 0 only, its result given to every rank; an error it raises is raised on
+    every rank as a QShardError (a collective: no rank waits forever for a rank 0 that failed)."""
+    box: list = [None]
+    if is_main:
+        try:
+            box[0] = ("ok", compute())
+        except Exception as exc:
+            box[0] = ("error", one_line(exc))
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise QShardError(value)
+    return value
+
+
+@contextlib.contextmanager
+def held_by_rank0(enter: Callable[[], AbstractContextManager], is_main: bool) -> Iterator[None]:
+    """Hold the context `enter()` makes (a run directory's lock) on rank 0 for the duration of the block;
+    its refusal is every rank's error (a collective)."""
+    with contextlib.ExitStack() as held:
+
+        def hold() -> None:
+            held.enter_context(enter())
+
+        from_rank0(hold, is_main)
+        yield

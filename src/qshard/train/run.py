@@ -17,14 +17,22 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn as nn
 
-from qshard import checkpoint, data, demo, export, loading, models, rundir
+from qshard import checkpoint, data, demo, export, models, rundir
 from qshard import config as config_mod
 from qshard.build import build_model, describe, files_from_rank0, load_tokenizer, local_model_dir
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.data import GlobalBatchSampler
 from qshard.errors import QShardError
-from qshard.parallel.distributed import DistEnv, collective_errors, init_distributed, set_timeout, shutdown
+from qshard.parallel.distributed import (
+    DistEnv,
+    collective_errors,
+    from_rank0,
+    held_by_rank0,
+    init_distributed,
+    set_timeout,
+    shutdown,
+)
 from qshard.train.loop import EvalResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 
@@ -104,22 +112,11 @@ def run_training(cfg: Config) -> RunResult:
 def train(cfg: Config, env: DistEnv) -> RunResult:
     """One run, holding its output directory from before the first file is written until it ends."""
     out = resolve_output_dir(cfg)
-    with _locked(out, env), rundir.writing(f"into {out}"):  # a full disk met anywhere: one line
+    # Rank 0 holds the lock: the other ranks write only their checkpoint shards, and may be on other machines.
+    locked = held_by_rank0(lambda: rundir.run_lock(out), env.is_main)
+    with locked, rundir.writing(f"into {out}"):  # a full disk met anywhere: one line
         _check_not_taken(cfg, out)
         return _train(cfg, env, out)
-
-
-@contextlib.contextmanager
-def _locked(out: Path, env: DistEnv):
-    """Rank 0 holds the run directory's lock (the others never write into it but their checkpoint shards,
-    and may run on other machines); its refusal is every rank's error."""
-    with contextlib.ExitStack() as held:
-
-        def lock() -> None:
-            held.enter_context(rundir.run_lock(out))
-
-        loading.from_rank0(lock, env.is_main)
-        yield
 
 
 def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
@@ -140,7 +137,7 @@ def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
         fingerprint = _base_fingerprint(cfg, env)
         checkpoint.check_compatible(resume, resume_state, cfg, fingerprint)
     continuing = resume is not None and _continues(cfg, out)
-    finished = loading.from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
+    finished = from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
     if finished and continuing and resume_state["step"] >= _planned_steps(cfg, len(train_examples), env):
         if env.is_main:
             log.info("run already finished: %s holds summary.json and its checkpoint of the last step (%d); "
@@ -258,7 +255,7 @@ def base_fingerprint(cfg: Config) -> str:
 
 def _base_fingerprint(cfg: Config, env: DistEnv) -> str:
     if files_from_rank0(cfg, env):  # only rank 0 can read the files
-        return loading.from_rank0(lambda: base_fingerprint(cfg), env.is_main)
+        return from_rank0(lambda: base_fingerprint(cfg), env.is_main)
     return base_fingerprint(cfg)
 
 
@@ -305,7 +302,7 @@ def _planned_steps(cfg: Config, n_examples: int, env: DistEnv) -> int:
 def _kept_metrics(out: Path, step: int, env: DistEnv) -> list[str]:
     """On rank 0, the metrics lines a run resumed at `step` keeps (checked with the other inputs)."""
     kept: list[str] = []
-    loading.from_rank0(lambda: kept.extend(read_until(out / "metrics.jsonl", step)), env.is_main)
+    from_rank0(lambda: kept.extend(read_until(out / "metrics.jsonl", step)), env.is_main)
     return kept
 
 
