@@ -7,6 +7,8 @@ copy of it, and goes through `qshard.cli.main` in this process."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import logging
 import pickle
@@ -17,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from qshard.checkpoint import STATE_FILE
@@ -99,6 +102,30 @@ def test_crafted_metadata_runs_nothing_on_resume_or_export(saved, model_dir, tmp
     code, lines = _cli(["export", "adapter", "--run", str(run), "--out", str(tmp_path / "adapter")], capsys)
     assert not marker.exists()
     assert "builtins.exec" in _error_line(code, lines) and not (tmp_path / "adapter").exists()
+
+
+def test_crafted_shard_entry_runs_nothing_on_resume(saved, model_dir, tmp_path, capsys):
+    """The optimizer's settings are pickled objects inside a shard, which DCP unpickles unrestricted."""
+    ckpt = _copy(saved / "checkpoints" / "step-00000004", tmp_path / "ckpt")
+    marker = tmp_path / "marker"
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn.startswith("optim.param_groups."))
+    info = metadata.storage_data[index]
+    blob = io.BytesIO()
+    torch.save(_RunsCode(marker), blob)
+    shard = ckpt / info.relative_path
+    with shard.open("ab") as f:  # appended, and the entry pointed at it
+        offset = f.tell()
+        f.write(blob.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(blob.getvalue()))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    _set_record(ckpt, ".metadata")
+    _set_record(ckpt, info.relative_path)
+
+    code, lines = _cli(_train(model_dir, tmp_path / "other", "--resume", str(ckpt)), capsys)
+    assert not marker.exists()
+    line = _error_line(code, lines)
+    assert f"{shard}: refused: its entry {index.fqn}" in line and "exec" in line
 
 
 def test_flipped_byte_is_refused_naming_the_file(saved, model_dir, tmp_path, capsys):

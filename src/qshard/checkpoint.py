@@ -280,8 +280,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
     app_state = _app_state(model, optimizer)
     try:
         with _quiet_dcp():
-            dcp.load(app_state, storage_reader=_CheckedReader(path, metadata))
+            dcp.load(app_state, storage_reader=_CheckedReader(path, metadata),
+                     planner=files.DataOnlyPlanner(path, metadata))
     except (Exception, CheckpointException) as exc:  # DCP's wrapper of per-rank failures is a BaseException
+        if isinstance(_inner(exc), QShardError):
+            raise _inner(exc) from None
         raise QShardError(f"{path}: cannot load checkpoint ({_reason(exc)})") from None
     # Not strict: the frozen base is deliberately absent from the checkpoint (rebuilt from the base model).
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -364,13 +367,19 @@ def _low_space(path: Path) -> str:
     return f" -- the disk holding it has only {free / 2**20:,.0f} MiB free" if free < 2**30 else ""
 
 
-def _reason(exc: BaseException) -> str:
-    """One line: DCP's CheckpointException carries each failed rank's exception and traceback as text."""
+def _inner(exc: BaseException) -> BaseException:
+    """The first failed rank's exception inside DCP's CheckpointException (else `exc` itself)."""
     if isinstance(exc, CheckpointException) and exc.failures:
         inner = next(iter(exc.failures.values()))
         # Per torch version: an object with .exception, or an (exception, traceback frames) pair.
         inner = inner[0] if isinstance(inner, tuple) and inner else inner
-        exc = getattr(inner, "exception", inner)
+        return getattr(inner, "exception", inner)
+    return exc
+
+
+def _reason(exc: BaseException) -> str:
+    """One line: DCP's CheckpointException carries each failed rank's exception and traceback as text."""
+    exc = _inner(exc)
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 

@@ -1,10 +1,13 @@
-"""A checkpoint's files as data, never as code: checksums of what DCP wrote, and its `.metadata` read by an
-unpickler that builds only the classes DCP's own metadata is made of.
+"""A checkpoint's files as data, never as code: checksums of what DCP wrote, its `.metadata` read by an
+unpickler that builds only the classes DCP's own metadata is made of, and its non-tensor entries read
+with torch's weights-only unpickler.
 
-torch's DCP reads `.metadata` with a plain pickle load, which runs whatever a crafted file asks for; a
-checkpoint is something a user may have downloaded or copied, so qshard reads that file itself, first,
-and hands DCP the result. Checksums (CRC-32: fast, and what a flipped bit or a truncated copy needs) are
-recorded per file at save time and checked before a checkpoint's tensors are loaded.
+torch's DCP reads `.metadata` with a plain pickle load, and the non-tensor entries of the shards (the
+optimizer's settings) with `torch.load(weights_only=False)`: both run whatever a crafted file asks for.
+A checkpoint is something a user may have downloaded or copied, so qshard reads the metadata itself,
+first, and hands DCP the result, and gives DCP a planner that unpickles those entries safely. Checksums
+(CRC-32: fast, and what a flipped bit or a truncated copy needs) are recorded per file at save time and
+checked before a checkpoint's tensors are loaded.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ from __future__ import annotations
 import importlib
 import io
 import pickle
+import re
 import zlib
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from qshard.errors import QShardError
@@ -93,6 +98,29 @@ def _valid_record(name: str, record: dict) -> bool:
     plain = name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
     return plain and isinstance(record, dict) and isinstance(record.get("bytes"), int) and \
         isinstance(record.get("crc32"), str)
+
+
+class DataOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but a non-tensor entry is first read with `weights_only=True` and handed on
+    re-serialized from that: DCP's own reading of it never sees the file's bytes."""
+
+    def __init__(self, directory: Path, metadata: Metadata) -> None:
+        super().__init__()
+        self.directory, self.checked = directory, metadata
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            file = self.directory / self.checked.storage_data[read_item.storage_index].relative_path
+            found = re.search(r"WeightsUnpickler error: (.*?)\.?(?: Please|$)", str(exc), re.MULTILINE)
+            raise QShardError(f"{file}: refused: its entry {read_item.dest_index.fqn} is not plain data "
+                              f"({found.group(1) if found else 'not loadable with weights_only'}): a foreign "
+                              "or altered file") from None
+        checked = io.BytesIO()
+        torch.save(obj, checked)
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
 
 
 def data_files(metadata: Metadata, path: Path) -> set[str]:
