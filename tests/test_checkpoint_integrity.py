@@ -166,8 +166,12 @@ def test_auto_resume_says_what_it_skips(saved, model_dir, tmp_path, capsys):
             assert record == {"bytes": (ckpt / name).stat().st_size,
                               "crc32": f"{zlib.crc32((ckpt / name).read_bytes()):08x}"}
 
+    (checkpoints / "step-00000008").mkdir()  # export passes over it too, and says so
+    code, lines = _cli(["export", "adapter", "--run", str(run), "--out", str(tmp_path / "adapter")], capsys)
+    assert code == 0 and f"skipping {checkpoints / 'step-00000008'}: no {STATE_FILE}" in "\n".join(lines)
+
     for ckpt in checkpoints.glob("step-*[0-9]"):
-        (ckpt / STATE_FILE).unlink()
+        (ckpt / STATE_FILE).unlink(missing_ok=True)
     code, lines = _cli(_train(model_dir, run, "--resume", "auto", "--max-steps", "1"), capsys)
     assert code == 0, "\n".join(lines)
     text = "\n".join(lines)

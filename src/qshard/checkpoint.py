@@ -104,8 +104,24 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def find_latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`, saying which step directories are passed over and why."""
+    for path, why in _incomplete_checkpoints(root):
+        log.warning("skipping %s: %s", path, why)
     done = complete_checkpoints(root)
     return done[-1] if done else None
+
+
+def _incomplete_checkpoints(root: Path) -> list[tuple[Path, str]]:
+    """Step directories under `root` that are not complete checkpoints, each with the reason."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.iterdir()):
+        if path.name.endswith(".tmp") and _STEP_DIR.match(path.name[: -len(".tmp")]):
+            found.append((path, "a save that did not finish"))
+        elif _STEP_DIR.match(path.name) and not (path / STATE_FILE).is_file():
+            found.append((path, f"no {STATE_FILE} (a save that did not finish, or a damaged checkpoint)"))
+    return found
 
 
 class _ChecksummingWriter(FileSystemWriter):
@@ -400,25 +416,9 @@ def resolve_resume(cfg: Config, out: Path) -> Path | None:
 
 
 def _latest_for_auto(root: Path, metrics: Path) -> Path | None:
-    """The newest complete checkpoint, saying which step directories are passed over and why, and when an
-    earlier run's metrics are there but no checkpoint to continue it."""
-    for path, why in _incomplete_checkpoints(root):
-        log.warning("--resume auto: skipping %s: %s", path, why)
+    """The newest complete checkpoint; when there is none but an earlier run's metrics are there, says so."""
     latest = find_latest(root)
     if latest is None and metrics.is_file() and metrics.stat().st_size:
         log.warning("--resume auto: no complete checkpoint under %s, so training starts again from step 0 "
                     "(and %s starts over)", root, metrics)
     return latest
-
-
-def _incomplete_checkpoints(root: Path) -> list[tuple[Path, str]]:
-    """Step directories under `root` that are not complete checkpoints, each with the reason."""
-    if not root.is_dir():
-        return []
-    found = []
-    for path in sorted(root.iterdir()):
-        if path.name.endswith(".tmp") and _STEP_DIR.match(path.name[: -len(".tmp")]):
-            found.append((path, "a save that did not finish"))
-        elif _STEP_DIR.match(path.name) and not (path / STATE_FILE).is_file():
-            found.append((path, f"no {STATE_FILE} (a save that did not finish, or a damaged checkpoint)"))
-    return found
