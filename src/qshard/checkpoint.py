@@ -314,11 +314,11 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
 def _verify_contents(path: Path, recorded: dict[str, dict] | None) -> None:
     """Every data file against its checksum, the files shared out over the ranks; all ranks raise the first
     mismatch any of them found. (`.metadata` was checked when it was read.)"""
+    rank, world = _rank_and_world()
     if recorded is None:
-        if _rank_and_world()[0] == 0:
+        if rank == 0:
             log.warning("%s: saved by an older qshard, without checksums: loading it unverified", path)
         return
-    rank, world = _rank_and_world()
     names = sorted(set(recorded) - {files.METADATA_FILE})[rank::world]
     problem = files.first_mismatch(path, {name: recorded[name] for name in names})
     if world > 1:
@@ -341,8 +341,6 @@ class _CheckedReader(FileSystemReader):
         self.metadata = metadata
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        if getattr(self.metadata, "storage_meta", None) is not None:
-            self.metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return self.metadata
 
 

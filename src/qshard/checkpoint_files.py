@@ -175,7 +175,7 @@ def _check(path: Path, size: int, crc: int, entry: dict) -> None:
     _check_size(path, size, entry)
     if f"{crc:08x}" != entry["crc32"]:
         raise QShardError(f"{path}: checksum mismatch (crc32 {crc:08x}, saved {entry['crc32']}): the file "
-                          "changed after it was saved; restore it, or resume from another checkpoint")
+                          "changed after it was saved; restore it, or use another checkpoint")
 
 
 def _check_size(path: Path, size: int, entry: dict) -> None:
