@@ -9,13 +9,19 @@ state needs no saving: dropout is reseeded from (seed, step, rank) at every step
 Atomicity: a checkpoint is written into `step-NNNNNNNN.tmp/` and renamed to `step-NNNNNNNN/` by rank 0
 only after every rank's shards and the metadata are on disk, so a process killed mid-save (even by
 SIGKILL) leaves the previous checkpoints as they were, and `find_latest` never returns a partial one.
+
+Integrity: every file DCP writes is checksummed by the rank that wrote it, on the thread that wrote it,
+and `trainer_state.json` records the sizes and checksums; a checkpoint is verified before it is loaded,
+and its `.metadata` is read as data (see `checkpoint_files`), never handed to DCP's pickle load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -26,7 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from qshard import checkpoint_files as files
 from qshard import config as config_mod
 from qshard.config import Config
 from qshard.errors import QShardError
@@ -95,18 +104,59 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def find_latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`, saying which step directories are passed over and why."""
+    for path, why in _incomplete_checkpoints(root):
+        log.warning("skipping %s: %s", path, why)
     done = complete_checkpoints(root)
     return done[-1] if done else None
+
+
+def _incomplete_checkpoints(root: Path) -> list[tuple[Path, str]]:
+    """Step directories under `root` that are not complete checkpoints, each with the reason."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.iterdir()):
+        if path.name.endswith(".tmp") and _STEP_DIR.match(path.name[: -len(".tmp")]):
+            found.append((path, "a save that did not finish"))
+        elif _STEP_DIR.match(path.name) and not (path / STATE_FILE).is_file():
+            found.append((path, f"no {STATE_FILE} (a save that did not finish, or a damaged checkpoint)"))
+    return found
+
+
+class _ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer that also checksums each file it writes, right after writing it: on the background
+    thread for an async save, while the bytes are still in the page cache. The coordinator (rank 0) also
+    writes `.metadata`, in `finish`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.dir = path
+        self.records: dict[str, dict] = {}
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        for name in sorted({result.storage_data.relative_path for result in future.wait()}):
+            self.records[name] = files.file_record(self.dir / name)
+        return future
+
+    def finish(self, metadata: Metadata, results) -> None:
+        super().finish(metadata, results)
+        self.records[files.METADATA_FILE] = files.file_record(self.dir / files.METADATA_FILE)
 
 
 @dataclass
 class _Pending:
     future: object
-    tmp: Path
+    writer: _ChecksummingWriter
     final: Path
     meta: dict
     started: float = 0.0  # when save() was called
     blocked: float = 0.0  # seconds the training loop waited in save()
+
+    @property
+    def tmp(self) -> Path:
+        return self.writer.dir
 
 
 class CheckpointManager:
@@ -132,15 +182,16 @@ class CheckpointManager:
         dist.barrier()
         started = time.perf_counter()
         state = _app_state(model, optimizer)
+        writer = _ChecksummingWriter(tmp)
         try:
             if self.group is not None and not blocking:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-                self.pending = _Pending(future, tmp, final, meta, started, time.perf_counter() - started)
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+                self.pending = _Pending(future, writer, final, meta, started, time.perf_counter() - started)
                 return
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, storage_writer=writer)
         except (OSError, CheckpointException) as exc:
             raise _save_failed(tmp, exc) from None
-        self._finalize(_Pending(None, tmp, final, meta, started, time.perf_counter() - started))
+        self._finalize(_Pending(None, writer, final, meta, started, time.perf_counter() - started))
 
     def poll(self) -> None:
         """Finalize a background save once every rank's part of it is written (called every step)."""
@@ -163,10 +214,14 @@ class CheckpointManager:
         self._finalize(pending)
 
     def _finalize(self, pending: _Pending) -> None:
-        dist.barrier()
+        # Every rank's files are written once every rank has sent its checksums: this is also the barrier.
+        parts: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, pending.writer.records)
         if self.is_main:
+            recorded = {name: record for part in parts for name, record in part.items()}
             try:
-                (pending.tmp / STATE_FILE).write_text(json.dumps(pending.meta, indent=2))
+                state = {**pending.meta, "files": dict(sorted(recorded.items()))}
+                (pending.tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
                 config_mod.save(self.cfg, pending.tmp / "config.yaml")
                 if pending.final.exists():  # the same step saved again (e.g. a resumed run's last step)
                     shutil.rmtree(pending.final)
@@ -181,13 +236,38 @@ class CheckpointManager:
 
 
 def read_state(path: Path) -> dict:
+    """A checkpoint's trainer state, once its metadata has been read safely and its files are all there with
+    their saved sizes (their contents are checked by `load`)."""
+    state = _state(path)
+    _checked_metadata(path, state)
+    return state
+
+
+def _state(path: Path) -> dict:
     state_file = path / STATE_FILE
     if not state_file.is_file():
         raise QShardError(f"{path}: not a complete qshard checkpoint (no {STATE_FILE})")
     try:
-        return json.loads(state_file.read_text())
+        state = json.loads(state_file.read_text())
     except json.JSONDecodeError as exc:
         raise QShardError(f"{state_file}:{exc.lineno}: corrupt checkpoint state ({exc.msg})") from None
+    if not isinstance(state, dict):
+        raise QShardError(f"{state_file}: corrupt checkpoint state (not a JSON object)")
+    return state
+
+
+def _checked_metadata(path: Path, state: dict) -> Metadata:
+    """The checkpoint's DCP metadata, read as data; with recorded checksums, also that it and every file it
+    names were recorded at save time and are there with their saved sizes."""
+    recorded = files.recorded_files(state, path / STATE_FILE)
+    metadata = files.read_metadata(path / files.METADATA_FILE, recorded and recorded[files.METADATA_FILE])
+    if recorded is not None:
+        unrecorded = sorted(files.data_files(metadata, path / files.METADATA_FILE) - recorded.keys())
+        if unrecorded:
+            raise QShardError(f"{path / unrecorded[0]}: not among the files {STATE_FILE} recorded at save time "
+                              "(a foreign or altered checkpoint)")
+        files.check_sizes(path, recorded)
+    return metadata
 
 
 def check_compatible(path: Path, state: dict, cfg: Config, fingerprint: str) -> None:
@@ -209,19 +289,81 @@ def check_compatible(path: Path, state: dict, cfg: Config, fingerprint: str) -> 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load trainable weights (and the optimizer state, if given) into the (sharded) model, resharding to
-    this world size as needed."""
-    state = _app_state(model, optimizer)
+    this world size as needed, once every file of the checkpoint matches its checksum."""
+    state = _state(path)
+    metadata = _checked_metadata(path, state)
+    _verify_contents(path, files.recorded_files(state, path / STATE_FILE))
+    app_state = _app_state(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with _quiet_dcp():
+            dcp.load(app_state, storage_reader=_CheckedReader(path, metadata),
+                     planner=files.DataOnlyPlanner(path, metadata))
     except (Exception, CheckpointException) as exc:  # DCP's wrapper of per-rank failures is a BaseException
+        if isinstance(_inner(exc), QShardError):
+            raise _inner(exc) from None
         raise QShardError(f"{path}: cannot load checkpoint ({_reason(exc)})") from None
     # Not strict: the frozen base is deliberately absent from the checkpoint (rebuilt from the base model).
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
     if optimizer is None:
-        set_model_state_dict(model, state["model"], options=options)
+        set_model_state_dict(model, app_state["model"], options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        set_state_dict(model, optimizer, model_state_dict=app_state["model"], optim_state_dict=app_state["optim"],
                        options=options)
+
+
+def _verify_contents(path: Path, recorded: dict[str, dict] | None) -> None:
+    """Every data file against its checksum, the files shared out over the ranks; all ranks raise the first
+    mismatch any of them found. (`.metadata` was checked when it was read.)"""
+    rank, world = _rank_and_world()
+    if recorded is None:
+        if rank == 0:
+            log.warning("%s: saved by an older qshard, without checksums: loading it unverified", path)
+        return
+    names = sorted(set(recorded) - {files.METADATA_FILE})[rank::world]
+    problem = files.first_mismatch(path, {name: recorded[name] for name in names})
+    if world > 1:
+        problems: list[str | None] = [None] * world
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise QShardError(problem)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+class _CheckedReader(FileSystemReader):
+    """DCP's file reader, given the metadata qshard read and checked, so that DCP never unpickles the file."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(str(path))
+        self.metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self.metadata
+
+
+_DCP_DIR = os.path.dirname(dcp.__file__) + os.sep
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP logs the failures it then raises (on the root logger, with tracebacks, and on its modules'
+    loggers); while it loads, those records are dropped: the failure becomes our one-line error."""
+    root, package = logging.getLogger(), logging.getLogger("torch.distributed.checkpoint")
+    level = package.level
+    root.addFilter(_not_from_dcp)
+    package.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        root.removeFilter(_not_from_dcp)
+        package.setLevel(level)
+
+
+def _not_from_dcp(record: logging.LogRecord) -> bool:
+    return not record.pathname.startswith(_DCP_DIR)
 
 
 def _save_failed(tmp: Path, exc: BaseException) -> QShardError:
@@ -239,15 +381,21 @@ def _low_space(path: Path) -> str:
     return f" -- the disk holding it has only {free / 2**20:,.0f} MiB free" if free < 2**30 else ""
 
 
-def _reason(exc: BaseException) -> str:
-    """One line: DCP's CheckpointException carries each failed rank's exception and traceback as text."""
+def _inner(exc: BaseException) -> BaseException:
+    """The first failed rank's exception inside DCP's CheckpointException (else `exc` itself)."""
     if isinstance(exc, CheckpointException) and exc.failures:
         inner = next(iter(exc.failures.values()))
         # Per torch version: an object with .exception, or an (exception, traceback frames) pair.
         inner = inner[0] if isinstance(inner, tuple) and inner else inner
-        exc = getattr(inner, "exception", inner)
+        return getattr(inner, "exception", inner)
+    return exc
+
+
+def _reason(exc: BaseException) -> str:
+    """One line: DCP's CheckpointException carries each failed rank's exception and traceback as text."""
+    exc = _inner(exc)
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def resolve_resume(cfg: Config, out: Path) -> Path | None:
@@ -257,9 +405,18 @@ def resolve_resume(cfg: Config, out: Path) -> Path | None:
         return None
     root = out / "checkpoints"
     if choice == "auto":
-        return find_latest(root)
+        return _latest_for_auto(root, out / "metrics.jsonl")
     path = Path(choice)
     if not path.is_dir():
         raise QShardError(f"checkpoint.resume: {path} is not a directory")
     read_state(path)
     return path
+
+
+def _latest_for_auto(root: Path, metrics: Path) -> Path | None:
+    """The newest complete checkpoint; when there is none but an earlier run's metrics are there, says so."""
+    latest = find_latest(root)
+    if latest is None and metrics.is_file() and metrics.stat().st_size:
+        log.warning("--resume auto: no complete checkpoint under %s, so training starts again from step 0 "
+                    "(and %s starts over)", root, metrics)
+    return latest
