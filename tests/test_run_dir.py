@@ -158,6 +158,19 @@ def test_torn_last_metrics_line_is_dropped_on_resume(finished, inputs, tmp_path,
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
 
 
+def test_resume_into_an_adapter_dir_qshard_did_not_write_is_refused_before_training(finished, inputs, tmp_path,
+                                                                                    capsys):
+    """The adapter written at the end would have to replace a user's file: said before any step is trained."""
+    out = _copy(finished, tmp_path / "run")
+    shutil.rmtree(out / "checkpoints" / "step-00000004")
+    (out / "summary.json").unlink()
+    (out / "adapter" / "notes.txt").write_text("mine")
+    before = _files(out)
+    line = _error_line(*_run(_args(inputs, out, "--resume", "auto"), capsys))
+    assert f"output.dir {out / 'adapter'}: holds files the qshard adapter export there did not write" in line
+    assert "notes.txt" in line and _files(out) == before
+
+
 # ------------------------------------------------------------------------------------------------ full disk
 
 

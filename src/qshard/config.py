@@ -17,9 +17,11 @@ import yaml
 from qshard.errors import QShardError
 
 TrainType = Literal["qlora", "lora", "full", "llama_pro", "dora", "qdora"]
-# Train types whose frozen block linears are quantized (quant.method), and those whose adapters are DoRA.
+# Train types whose frozen block linears are quantized (quant.method), those whose adapters are DoRA, and
+# those that train weights of the model itself rather than adapters.
 QUANTIZED_TRAIN_TYPES = ("qlora", "qdora")
 DORA_TRAIN_TYPES = ("dora", "qdora")
+ADAPTERLESS_TRAIN_TYPES = ("full", "llama_pro")
 Schedule = Literal["constant", "linear", "cosine"]
 DataFormat = Literal["auto", "instruction", "chat", "sharegpt", "text"]
 Precision = Literal["fp32", "bf16", "bf16_mixed", "fp16_mixed"]

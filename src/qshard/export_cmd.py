@@ -23,8 +23,6 @@ def find_checkpoint(run_dir: Path, explicit: str | None) -> Path:
         path = Path(explicit)
         checkpoint.read_state(path)
         return path
-    if not run_dir.is_dir():
-        raise QShardError(f"--run: {run_dir} is not a directory")
     latest = checkpoint.find_latest(run_dir / "checkpoints")
     if latest is None:
         raise QShardError(f"{run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
@@ -62,7 +60,7 @@ def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, ma
     if kind == "merged" and cfg.model.path is None:
         raise QShardError(f"{ckpt}: a model.shape run has no model directory to take a merged model's config and "
                           "tokenizer from; export the adapter instead")
-    if kind == "adapter" and cfg.train.train_type in ("full", "llama_pro"):
+    if kind == "adapter" and cfg.train.train_type in config_mod.ADAPTERLESS_TRAIN_TYPES:
         raise QShardError(f"{ckpt}: a {cfg.train.train_type} run has no adapter; use `qshard export merged`")
     model, report = build_model(cfg, env, local_model_dir(cfg, env))
     checkpoint.load(ckpt, model, optimizer=None)

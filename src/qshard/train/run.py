@@ -17,11 +17,11 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn as nn
 
-from qshard import checkpoint, data, demo, export, models, rundir
+from qshard import checkpoint, data, demo, export, models, outputs, rundir
 from qshard import config as config_mod
 from qshard.build import build_model, describe, files_from_rank0, load_tokenizer, local_model_dir
 from qshard.checkpoint import CheckpointManager
-from qshard.config import Config
+from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import GlobalBatchSampler
 from qshard.errors import QShardError
 from qshard.parallel.distributed import (
@@ -66,6 +66,9 @@ def _check_not_taken(cfg: Config, path: Path) -> None:
             f"output.dir: {path} already holds a run ({', '.join(taken)}); choose another directory "
             "or pass --overwrite (or --resume auto to continue it)"
         )
+    if _continues(cfg, path) and cfg.train.train_type not in ADAPTERLESS_TRAIN_TYPES:
+        # Said now rather than after training: the adapter written at the end replaces only qshard's own.
+        outputs.check_target(path / "adapter", "output.dir", "adapter")
 
 
 def _continues(cfg: Config, out: Path) -> bool:
