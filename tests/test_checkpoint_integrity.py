@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from qshard import checkpoint_files as files
 from qshard.checkpoint import STATE_FILE
 from qshard.cli import main as cli_main
 
@@ -70,11 +71,34 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _crcs(data: bytes, piece: int = files.PIECE_BYTES) -> list[str]:
+    """The CRC-32 of each `piece` bytes of `data`, computed here as a reader of the format would."""
+    return [f"{zlib.crc32(data[i:i + piece]):08x}" for i in range(0, max(len(data), 1), piece)]
+
+
+def test_checksums_are_per_piece_and_name_the_damaged_bytes(tmp_path, monkeypatch):
+    """Large files are checksummed piece by piece on several threads: the record is the same as one
+    computed piece by piece in order, and a damaged byte is reported with the piece that holds it."""
+    monkeypatch.setattr(files, "PIECE_BYTES", 1000)
+    data = bytes(range(256)) * 13  # 3,328 bytes: three whole pieces and a short last one
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data)
+    record = files.file_record(path)
+    assert record == {"bytes": 3328, "crc32": _crcs(data, 1000)} and len(record["crc32"]) == 4
+    assert files.recorded_files({"files": {".metadata": files.bytes_record(b""), path.name: record}}, path)
+    assert files.bytes_record(data) == record and files.first_mismatch(tmp_path, {path.name: record}) is None
+    damaged = bytearray(data)
+    damaged[1500] ^= 1
+    path.write_bytes(bytes(damaged))
+    assert files.first_mismatch(tmp_path, {path.name: record}).startswith(
+        f"{path}: checksum mismatch in bytes [1,000, 2,000) (crc32 ")
+
+
 def _set_record(ckpt: Path, name: str) -> None:
     """Record `name`'s current size and checksum in the checkpoint's state, as whoever altered it could."""
     state = json.loads((ckpt / STATE_FILE).read_text())
     data = (ckpt / name).read_bytes()
-    state.setdefault("files", {})[name] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    state.setdefault("files", {})[name] = {"bytes": len(data), "crc32": _crcs(data)}
     (ckpt / STATE_FILE).write_text(json.dumps(state))
 
 
@@ -163,8 +187,7 @@ def test_auto_resume_says_what_it_skips(saved, model_dir, tmp_path, capsys):
         on_disk = {p.name for p in ckpt.iterdir()} - {STATE_FILE, "config.yaml"}
         assert set(state["files"]) == on_disk and ".metadata" in on_disk
         for name, record in state["files"].items():
-            assert record == {"bytes": (ckpt / name).stat().st_size,
-                              "crc32": f"{zlib.crc32((ckpt / name).read_bytes()):08x}"}
+            assert record == {"bytes": (ckpt / name).stat().st_size, "crc32": _crcs((ckpt / name).read_bytes())}
 
     (checkpoints / "step-00000008").mkdir()  # export passes over it too, and says so
     code, lines = _cli(["export", "adapter", "--run", str(run), "--out", str(tmp_path / "adapter")], capsys)
@@ -215,3 +238,4 @@ def test_dcp_logs_nothing_while_qshard_loads(saved, tmp_path, caplog, dist_env):
         dcp.load({}, storage_reader=dcp.FileSystemReader(str(ckpt)))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert logging.getLogger("torch.distributed.checkpoint").isEnabledFor(logging.WARNING)  # only while it loads
+    assert logging.getLogger().filters == []

@@ -223,7 +223,7 @@ def test_probe_passes_on_the_real_path_and_says_so(ranks):
             kinds = "uint8/int32" if integers and res["takes_integers"] else "bfloat16/float32"
             method = name.split("-")[0].upper()
             assert line.startswith(f"FSDP2 gathers the {method} storage (as {kinds}) byte for byte: checked on cpu, "
-                                   "mesh of 2 ranks, 1088 bytes"), line
+                                   "2 rank(s), 1088 bytes"), line
 
 
 def test_a_copy_path_that_changes_bytes_is_refused_at_build(ranks):

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import logger as dcp_logger
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
@@ -349,17 +350,21 @@ _DCP_DIR = os.path.dirname(dcp.__file__) + os.sep
 
 @contextlib.contextmanager
 def _quiet_dcp():
-    """DCP logs the failures it then raises (on the root logger, with tracebacks, and on its modules'
-    loggers); while it loads, those records are dropped: the failure becomes our one-line error."""
-    root, package = logging.getLogger(), logging.getLogger("torch.distributed.checkpoint")
-    level = package.level
+    """DCP logs the failures it then raises (on the root logger, with tracebacks, on its modules' loggers, and on
+    its own event logger, which some torch releases let propagate); while it loads, those records are dropped:
+    the failure becomes our one-line error."""
+    root = logging.getLogger()
+    muted = [logging.getLogger("torch.distributed.checkpoint"), getattr(dcp_logger, "_dcp_logger", None)]
+    levels = [(logger, logger.level) for logger in muted if logger is not None]
     root.addFilter(_not_from_dcp)
-    package.setLevel(logging.CRITICAL + 1)
+    for logger, _ in levels:
+        logger.setLevel(logging.CRITICAL + 1)
     try:
         yield
     finally:
         root.removeFilter(_not_from_dcp)
-        package.setLevel(level)
+        for logger, level in levels:
+            logger.setLevel(level)
 
 
 def _not_from_dcp(record: logging.LogRecord) -> bool:

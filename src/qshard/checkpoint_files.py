@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import importlib
 import io
+import os
 import pickle
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,6 +29,11 @@ from qshard.errors import QShardError
 
 METADATA_FILE = ".metadata"
 _CHUNK = 8 << 20
+# A file's checksum is one CRC-32 per piece of this many bytes, so that the pieces of a large shard are
+# checksummed on several threads at once (zlib releases the GIL): one thread alone would add seconds to
+# every blocking save and every load of an 8B run's checkpoint (docs/benchmarks.md).
+PIECE_BYTES = 64 << 20
+_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 # (module, name) of everything a DCP `.metadata` pickle refers to: the metadata dataclasses, the file
 # reader's per-item record, torch.Size, the layout lookup that torch.layout pickles through, and the
@@ -71,7 +78,7 @@ def read_metadata(path: Path, recorded: dict | None) -> Metadata:
     except OSError as exc:
         raise QShardError(f"{path}: cannot read checkpoint metadata ({exc.strerror or exc})") from None
     if recorded is not None:
-        _check(path, len(data), zlib.crc32(data), recorded)
+        _check(path, len(data), bytes_record(data)["crc32"], recorded)
     try:
         metadata = _MetadataUnpickler(data, path).load()
     except QShardError:
@@ -96,8 +103,15 @@ def recorded_files(state: dict, state_file: Path) -> dict[str, dict] | None:
 def _valid_record(name: str, record: dict) -> bool:
     # A recorded name is a file in the checkpoint directory itself, never a path elsewhere.
     plain = name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
-    return plain and isinstance(record, dict) and isinstance(record.get("bytes"), int) and \
-        isinstance(record.get("crc32"), str)
+    if not (plain and isinstance(record, dict) and isinstance(record.get("bytes"), int) and record["bytes"] >= 0):
+        return False
+    crcs = record.get("crc32")
+    return isinstance(crcs, list) and len(crcs) == _pieces(record["bytes"]) and all(
+        isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs)
+
+
+def _pieces(size: int) -> int:
+    return max(1, -(-size // PIECE_BYTES))
 
 
 class DataOnlyPlanner(DefaultLoadPlanner):
@@ -134,15 +148,35 @@ def data_files(metadata: Metadata, path: Path) -> set[str]:
 
 
 def file_record(path: Path) -> dict:
-    """What is recorded per file at save time: its size and CRC-32."""
-    crc, size = 0, 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with path.open("rb") as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-    return {"bytes": size, "crc32": f"{crc:08x}"}
+    """What is recorded per file at save time: its size and the CRC-32 of each PIECE_BYTES of it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        with ThreadPoolExecutor(min(_THREADS, _pieces(size))) as pool:
+            crcs = list(pool.map(lambda i: _piece_crc(fd, i * PIECE_BYTES, size), range(_pieces(size))))
+    finally:
+        os.close(fd)
+    return {"bytes": size, "crc32": crcs}
+
+
+def bytes_record(data: bytes) -> dict:
+    """`file_record` of a file holding `data`."""
+    view = memoryview(data)
+    crcs = [f"{zlib.crc32(view[i * PIECE_BYTES:(i + 1) * PIECE_BYTES]):08x}" for i in range(_pieces(len(data)))]
+    return {"bytes": len(data), "crc32": crcs}
+
+
+def _piece_crc(fd: int, start: int, size: int) -> str:
+    """The CRC-32 of bytes [start, start + PIECE_BYTES) of the open file `fd` of `size` bytes (fewer at its end)."""
+    end, crc = min(start + PIECE_BYTES, size), 0
+    buf = memoryview(bytearray(min(_CHUNK, max(end - start, 1))))
+    while start < end:
+        n = os.preadv(fd, [buf[: min(len(buf), end - start)]], start)
+        if not n:
+            break  # shorter than it was a moment ago: the size comparison will say so
+        crc = zlib.crc32(buf[:n], crc)
+        start += n
+    return f"{crc:08x}"
 
 
 def check_sizes(directory: Path, recorded: dict[str, dict]) -> None:
@@ -165,17 +199,20 @@ def first_mismatch(directory: Path, recorded: dict[str, dict]) -> str | None:
         except OSError as exc:
             return f"{path}: cannot read checkpoint file ({exc.strerror or exc})"
         try:
-            _check(path, actual["bytes"], int(actual["crc32"], 16), entry)
+            _check(path, actual["bytes"], actual["crc32"], entry)
         except QShardError as exc:
             return str(exc)
     return None
 
 
-def _check(path: Path, size: int, crc: int, entry: dict) -> None:
+def _check(path: Path, size: int, crcs: list[str], entry: dict) -> None:
     _check_size(path, size, entry)
-    if f"{crc:08x}" != entry["crc32"]:
-        raise QShardError(f"{path}: checksum mismatch (crc32 {crc:08x}, saved {entry['crc32']}): the file "
-                          "changed after it was saved; restore it, or use another checkpoint")
+    differ = next((i for i, (a, b) in enumerate(zip(crcs, entry["crc32"])) if a != b), None)
+    if differ is not None:
+        start = differ * PIECE_BYTES
+        raise QShardError(f"{path}: checksum mismatch in bytes [{start:,}, {min(start + PIECE_BYTES, size):,}) "
+                          f"(crc32 {crcs[differ]}, saved {entry['crc32'][differ]}): the file changed after it was "
+                          "saved; restore it, or use another checkpoint")
 
 
 def _check_size(path: Path, size: int, entry: dict) -> None:

@@ -176,7 +176,7 @@ def check_storage_units(blocks: list[nn.Module], mesh: DeviceMesh, policy: Mixed
         kinds.setdefault(_unit_kind(block), block)
     for (storage, _), block in kinds.items():
         nbytes = check_storage_gather(block, mesh, policy, offload)
-        log.info("FSDP2 gathers the %s storage (as %s) byte for byte: checked on %s, mesh of %d ranks, %d bytes of "
+        log.info("FSDP2 gathers the %s storage (as %s) byte for byte: checked on %s, %d rank(s), %d bytes of "
                  "NaN-looking patterns", method.upper(), "/".join(str(d).removeprefix("torch.") for d in storage),
                  compute_device(mesh).type, mesh.size(), nbytes)
 
