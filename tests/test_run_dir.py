@@ -120,9 +120,11 @@ def test_second_process_is_refused_and_a_dead_holders_lock_does_not_block(finish
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
-        for extra in ([], ["--resume", "auto"], ["--overwrite"]):
-            line = _error_line(*_run(_args(inputs, out, *extra), capsys))
+        exports = [["export", kind, "--run", str(out), "--out", str(tmp_path / kind)] for kind in ("adapter", "merged")]
+        for args in [_args(inputs, out, *extra) for extra in ([], ["--resume", "auto"], ["--overwrite"])] + exports:
+            line = _error_line(*_run(args, capsys))
             assert str(out) in line and f"pid {holder.pid} on " in line and "another qshard process" in line
+        assert not (tmp_path / "adapter").exists() and not (tmp_path / "merged").exists()
         assert {k: v for k, v in _files(out).items() if k != ".qshard.lock"} == before
     finally:
         holder.send_signal(signal.SIGKILL)
