@@ -16,6 +16,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+# Measuring code shared with the benchmarks (comm_stats) lives there, outside the package. Appended: no
+# benchmark module may shadow an installed one. Spawned ranks inherit this path.
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.append(BENCHMARKS)
 
 
 def cli_env() -> dict[str, str]:
