@@ -45,6 +45,11 @@ def spawn(fn, args: tuple, nprocs: int = 2, join: bool = True):
     return mp.start_processes(_then_freeze, args=(fn, *args), nprocs=nprocs, join=join, start_method="spawn")
 
 
+def device_batch(trainer, indices: list[int]) -> dict:
+    """The trainer's training examples `indices`, collated and on its device as its step sends them."""
+    return trainer._to_device(trainer._collate(indices))
+
+
 def _then_freeze(rank: int, fn, *args) -> None:
     fn(rank, *args)
     gc.freeze()  # what is left is only freed at exit; frozen objects are never collected again
