@@ -5,7 +5,7 @@
   torchrun --nproc_per_node N benchmarks/allgather_bytes.py ...   (the same, one process per GPU)
 
 Each run builds the model as `qshard train` does (same model, same LoRA, random tokens), takes one
-warm-up step, then one step under qshard.parallel.comm_stats.CommCounter, which records every collective
+warm-up step, then one step under CommCounter (benchmarks/comm_stats.py), which records every collective
 the step issues and charges each all-gathered byte to the tensor it carries. Without torchrun it starts
 --nproc processes itself (gloo on CPU, NCCL on GPUs). Prints, on rank 0, one row per run and the ratios
 to the lora run; `--json` writes the full per-run summaries.
@@ -46,8 +46,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, overrides
     if port:  # started here, not by torchrun
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank))
+    from comm_stats import measure_train_step
+
     from qshard import config as config_mod
-    from qshard.parallel.comm_stats import measure_train_step
     from qshard.parallel.distributed import init_distributed, shutdown
 
     env = init_distributed()
@@ -68,7 +69,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, overrides
 
 
 def gathered(r: dict, where: str | None = None, cat: str | None = None) -> int:
-    from qshard.parallel.comm_stats import part_bytes
+    from comm_stats import part_bytes
 
     return part_bytes(r, where, cat)
 

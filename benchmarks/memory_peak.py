@@ -18,7 +18,7 @@ import linecache
 from collections import defaultdict
 
 import torch
-from step_phases import build_trainer, run_phases
+from step_phases import build_trainer, device_batch, run_phases
 
 from qshard.train.loop import Trainer
 
@@ -53,7 +53,7 @@ def _kept_for_backward(trainer: Trainer, step: int) -> float:
             kept += t.numel() * t.element_size()
         return t
 
-    batch = trainer._batch(trainer.sampler.microbatches(step)[0])
+    batch = device_batch(trainer, step)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = trainer.loss_sum(trainer.model, batch)
     loss.backward()  # frees what was kept (dropping `loss` alone left it alive); the gradients go with zero_grad

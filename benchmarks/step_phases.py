@@ -35,9 +35,14 @@ def _examples(n: int, seq: int) -> list[Example]:
     return [Example(ids := torch.randint(3, 250, (seq,), generator=g).tolist(), ids) for _ in range(n)]
 
 
+def device_batch(trainer: Trainer, step: int) -> dict[str, torch.Tensor]:
+    """The first micro-batch of global batch `step`, collated and on the device as the trainer's step sends it."""
+    return trainer._to_device(trainer._collate(trainer.sampler.microbatches(step)[0]))
+
+
 def run_phases(trainer: Trainer, step: int, measure) -> None:
     """The training step of train/loop.py, phase by phase, each run as `measure(name, fn)`."""
-    batch = trainer._batch(trainer.sampler.microbatches(step)[0])
+    batch = device_batch(trainer, step)
     loss = measure("forward", lambda: trainer.loss_sum(trainer.model, batch))
     measure("backward", lambda: (loss / batch["input_ids"].numel()).backward())
     measure("clip", lambda: (trainer.scaler.unscale_(trainer.optimizer),

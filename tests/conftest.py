@@ -16,6 +16,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+# Measuring code shared with the benchmarks (comm_stats) lives there, outside the package. Appended: no
+# benchmark module may shadow an installed one. Spawned ranks inherit this path.
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.append(BENCHMARKS)
 
 
 def cli_env() -> dict[str, str]:
@@ -38,6 +43,11 @@ def spawn(fn, args: tuple, nprocs: int = 2, join: bool = True):
     import torch.multiprocessing as mp
 
     return mp.start_processes(_then_freeze, args=(fn, *args), nprocs=nprocs, join=join, start_method="spawn")
+
+
+def device_batch(trainer, indices: list[int]) -> dict:
+    """The trainer's training examples `indices`, collated and on its device as its step sends them."""
+    return trainer._to_device(trainer._collate(indices))
 
 
 def _then_freeze(rank: int, fn, *args) -> None:

@@ -1,5 +1,5 @@
 """Bytes all-gathered by a real training step (2 gloo processes), NF4 base against bf16 base, counted by
-qshard.parallel.comm_stats.CommCounter from the collectives actually issued."""
+benchmarks/comm_stats.py's CommCounter from the collectives actually issued."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    from comm_stats import measure_train_step
+
     from qshard import config as config_mod
-    from qshard.parallel.comm_stats import measure_train_step
     from qshard.parallel.distributed import init_distributed, shutdown
 
     env = init_distributed()
@@ -49,7 +50,7 @@ def measured(tmp_path_factory, tiny_models):
 
 
 def test_nf4_block_weights_are_gathered_as_4bit_codes_at_a_quarter_of_bf16(measured):
-    from qshard.parallel.comm_stats import part_bytes
+    from comm_stats import part_bytes
 
     assert measured[0] == measured[1]  # both ranks issue the same collectives (and log the same loss)
     res = measured[0]
@@ -90,7 +91,7 @@ def test_nf4_block_weights_are_gathered_as_4bit_codes_at_a_quarter_of_bf16(measu
 
 
 def test_dtensor_sharding_gathers_the_same_integers_on_every_use(measured):
-    from qshard.parallel.comm_stats import part_bytes
+    from comm_stats import part_bytes
 
     res = measured[0]
     fsdp, dtensor, lora = res["qlora:fsdp"], res["qlora:dtensor"], res["lora:auto"]

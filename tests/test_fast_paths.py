@@ -246,6 +246,8 @@ def test_only_dropout_with_a_nonzero_rate_counts_as_random():
 def test_trainer_batches_ask_the_device_nothing(dist_env, tiny_models):
     """The trainer's device batch: the loss positions computed on the host, and no attention mask where nothing
     is padded (transformers would inspect it on the device). The loss is the same as with the mask."""
+    from conftest import device_batch
+
     from qshard.data import Example
     from qshard.train.loop import Trainer
     from qshard.train.loss import loss_positions
@@ -255,11 +257,11 @@ def test_trainer_batches_ask_the_device_nothing(dist_env, tiny_models):
     cfg = Config()
     cfg.train.micro_batch_size = 2
     trainer = Trainer(cfg.validate(), dist_env, model, examples, [], pad_id=0)
-    full = trainer._batch([0, 1])
+    full = device_batch(trainer, [0, 1])
     assert "attention_mask" not in full
     assert torch.equal(full["loss_positions"], loss_positions(full["labels"]))
     assert len(full["loss_positions"]) == 2 * (20 - 4)  # labels[1:]: 3 masked, 16 trained per row
-    padded = trainer._batch([0, 2])
+    padded = device_batch(trainer, [0, 2])
     assert "attention_mask" in padded and not bool(padded["attention_mask"].all())
 
     with torch.no_grad():

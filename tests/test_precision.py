@@ -8,7 +8,7 @@ import socket
 
 import pytest
 import torch
-from conftest import spawn
+from conftest import device_batch, spawn
 
 from qshard.config import Config, from_dict
 from qshard.errors import QShardError
@@ -59,7 +59,7 @@ def _dtypes_after_step(env, model_dir, mode: str, train_type: str) -> dict:
     assert record["loss"] == record["loss"] and record["loss"] > 0  # finite
     trainable = [p for p in model.parameters() if p.requires_grad]
     # Gradients are freed after the step: run one more backward to look at them.
-    batch = trainer._batch([0])
+    batch = device_batch(trainer, [0])
     trainer.scaler.scale(trainer.loss_sum(model, batch)).backward()
     state = [t for s in trainer.optimizer.state.values() for k, t in s.items() if k != "step"]
     return {

@@ -157,8 +157,6 @@ class StorageWindow:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.staged: dict[int, _Staged] = {}
         self._position: tuple[int, int] | None = None  # (block, direction) of the last fetch
-        self.copies = 0  # block copies issued, and the most blocks staged at once: for tests and benchmarks
-        self.most_staged = 0
 
     def fetch(self, block: int, index: int) -> tuple[torch.Tensor, ...]:
         """Layer `index` of `block`: its local shards on the compute device."""
@@ -178,13 +176,11 @@ class StorageWindow:
         upcoming = block + step
         if 0 <= upcoming < len(self.blocks):
             self.staged[upcoming] = self._stage(upcoming)
-        self.most_staged = max(self.most_staged, len(self.staged))
 
     def _stage(self, block: int) -> _Staged:
         storage = self.blocks[block]
         if self.stream is None:  # the compute device is the host: the shards are used where they are
             return _Staged(storage.host, storage.host_views, None)
-        self.copies += 1
         with torch.cuda.stream(self.stream):
             flat = torch.empty(storage.host.shape, dtype=torch.uint8, device=self.device)
             # From pinned memory: an asynchronous DMA, the host thread does not wait for it.

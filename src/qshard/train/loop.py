@@ -299,9 +299,6 @@ class Trainer:
             del batch["attention_mask"]
         return {k: self._on_device(v) for k, v in batch.items()}
 
-    def _batch(self, indices: list[int], examples: list[Example] | None = None) -> dict[str, torch.Tensor]:
-        return self._to_device(self._collate(indices, examples))
-
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.env.device.type == "cuda":
             # From pinned memory the copy does not wait for the device's queue; from pageable memory it does.
