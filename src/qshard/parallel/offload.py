@@ -31,13 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Placement
 
-from qshard.config import Config
+from qshard.config import Config, ParallelConfig
 from qshard.parallel.mesh import local_piece
 from qshard.quant import QUANTIZED_LINEARS
 
 
-def offload_policy(cfg: Config) -> OffloadPolicy:
-    if not cfg.parallel.cpu_offload:
+def offload_policy(parallel: ParallelConfig) -> OffloadPolicy:
+    """FSDP2's offload policy for every unit: none, or parameters, gradients and optimizer state on the CPU."""
+    if not parallel.cpu_offload:
         return OffloadPolicy()
     # Pinned host memory makes the host<->GPU copies asynchronous; there is nothing to pin without CUDA.
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
