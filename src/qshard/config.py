@@ -319,7 +319,7 @@ class Config:
             raise QShardError(f"{option}: has no effect with parallel.activation_checkpointing false")
         if p.compile and p.ac_reentrant and p.activation_checkpointing:
             # transformers' reentrant checkpointing wraps the block's forward, which compile would then trace:
-            # the compiled graphs keep the block activations (measured: 28 GiB instead of 10.6 at 8B).
+            # the compiled graphs keep the block activations (docs/benchmarks-history.md).
             raise QShardError(
                 "parallel.ac_reentrant: with parallel.compile the checkpoint would be traced into the compiled "
                 "graph, which then keeps the activations; use parallel.ac_reentrant false"
