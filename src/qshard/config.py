@@ -319,7 +319,7 @@ class Config:
             raise QShardError(f"{option}: has no effect with parallel.activation_checkpointing false")
         if p.compile and p.ac_reentrant and p.activation_checkpointing:
             # transformers' reentrant checkpointing wraps the block's forward, which compile would then trace:
-            # the compiled graphs keep the block activations (measured: 28 GiB instead of 10.6 at 8B).
+            # the compiled graphs keep the block activations (docs/benchmarks-history.md).
             raise QShardError(
                 "parallel.ac_reentrant: with parallel.compile the checkpoint would be traced into the compiled "
                 "graph, which then keeps the activations; use parallel.ac_reentrant false"
@@ -327,18 +327,8 @@ class Config:
         if not p.compile and p.compile_backend != "inductor":
             raise QShardError(f"parallel.compile_backend: {p.compile_backend} has no effect without parallel.compile")
         if p.ac_save_projections:
-            # Only blocks whose checkpoint is traced into their compiled graph have projections to keep
-            # (parallel/fsdp.py: quantized blocks used in place on one device, no LoRA dropout).
-            unmet = [reason for reason, ok in (
-                ("parallel.compile true", p.compile),
-                ("parallel.activation_checkpointing true", p.activation_checkpointing),
-                (f"a quantized train.train_type ({', '.join(QUANTIZED_TRAIN_TYPES)})",
-                 self.train.train_type in QUANTIZED_TRAIN_TYPES),
-                ("lora.dropout 0", self.lora.dropout == 0),
-                ("one process (parallel.nproc 1)", p.nproc == 1),
-                ("parallel.cpu_offload false", not p.cpu_offload),
-                ("parallel.quant_sharding auto or fsdp", p.quant_sharding != "dtensor"),
-            ) if not ok]
+            # Only blocks whose checkpoint is traced into their compiled graph have projections to keep.
+            unmet = checkpoint_trace_unmet(p, self.train.train_type, self.lora.dropout, p.nproc)
             if unmet:
                 raise QShardError(f"parallel.ac_save_projections: has no effect without {unmet[0]}")
         _non_negative("parallel.replicate_degree", p.replicate_degree)
@@ -383,6 +373,27 @@ def _validate_source(name: str, source: SourceConfig) -> None:
         if getattr(source, key) and not source.hub:
             raise QShardError(f"{name}.{key}: only hub datasets have a {key}; this source is the path {source.path}")
     _positive(f"{name}.weight", source.weight)
+
+
+def checkpoint_trace_unmet(parallel: ParallelConfig, train_type: str, dropout: float, world_size: int) -> list[str]:
+    """What keeps quantized blocks' checkpoints out of their compiled graphs, as option settings, in order
+    (empty: traced; parallel/checkpointing.py, traced_checkpoint). The one statement of that rule, for the
+    config's validation and for parallel/fsdp.py.
+
+    Why these: a traced checkpoint needs a compiled graph and a checkpoint; only quantized blocks used in
+    place (one process, storage left to FSDP2, no CPU offload: parallel/fsdp.py, blocks_in_place) keep their
+    integer storage, and the compiler's partitioner fails on the float carriers an FSDP2 unit would hold;
+    with LoRA dropout a traced checkpoint keeps every dropout's output and mask, where the hooks'
+    recomputation redraws them exactly."""
+    return [reason for reason, ok in (
+        ("parallel.compile true", parallel.compile),
+        ("parallel.activation_checkpointing true", parallel.activation_checkpointing),
+        (f"a quantized train.train_type ({', '.join(QUANTIZED_TRAIN_TYPES)})", train_type in QUANTIZED_TRAIN_TYPES),
+        ("lora.dropout 0", dropout == 0),
+        ("one process (parallel.nproc 1)", world_size == 1),
+        ("parallel.cpu_offload false", not parallel.cpu_offload),
+        ("parallel.quant_sharding auto or fsdp", parallel.quant_sharding != "dtensor"),
+    ) if not ok]
 
 
 def _positive(name: str, value: float) -> None:

@@ -7,10 +7,11 @@ parameter, so the block's own transformers mechanism (GradientCheckpointingLayer
 function per layer) is used instead. It wraps `forward`, not `__call__`, so FSDP2's hooks stay outside the
 checkpointed region and the recompute does not gather weights twice.
 
-Compiled blocks that no FSDP2 unit holds (one device: parallel/fsdp.py, blocks_in_place) are checkpointed
-inside their graph instead (`traced_checkpoint`): the compiler then builds one backward graph per block that
-recomputes only what backward needs, under a policy that recomputes every op but random draws, so the block
-keeps its inputs and the outputs of its random ops (none without dropout).
+Compiled quantized blocks that no FSDP2 unit holds are checkpointed inside their graph instead where
+config.py's `checkpoint_trace_unmet` allows it (one device, no LoRA dropout): `traced_checkpoint`. The
+compiler then builds one backward graph per block that recomputes only what backward needs, under a policy
+that recomputes every op but random draws, so the block keeps its inputs and the outputs of its random ops
+(none without dropout).
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def _policy(save_projections: bool):
             return CheckpointPolicy.MUST_SAVE
         # Narrowing projections keep theirs when asked: the compiler keeps only those that backward reads
         # (attention's q, k and v, each adapter's low-rank input), not the outputs of o_proj and down_proj.
-        # On an H200 the compiled graph then also kept cuDNN attention's output, so backward did not rerun
-        # attention (16 MiB a block at 8B, seq 2,048; benchmarks/memory_peak.py); on CPU it does not.
+        # With cuDNN attention the compiled graph then keeps attention's output too, so backward does not
+        # rerun attention (on CPU it does).
         if save_projections and _narrowing_matmul(op, args):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.MUST_RECOMPUTE
@@ -108,12 +109,10 @@ def traced_checkpoint(forward, save_projections: bool = False):
     Why inside the graph: with the checkpoint around a compiled forward, backward re-runs that whole graph
     (the down projection's matmul too, whose output only the residual sum needs) and then a second graph for
     the gradients, and the host issues both. Traced, backward is one graph that recomputes just the
-    tensors the gradients use, with each quantized weight dequantized once. Measured on an H200: see
-    docs/benchmarks.md, 2026-12-01 (speed).
+    tensors the gradients use, with each quantized weight dequantized once (docs/benchmarks-history.md).
     Why every op is forced to recompute: a plain checkpoint only marks ops as preferably recomputed, and
-    the compiler's partitioner then kept most of each block's activations for backward (28 GiB peak against
-    10.6 for the 8B shape at seq 2,048). `save_projections` (parallel.ac_save_projections) exempts the
-    narrowing matmuls (`_narrowing_matmul`)."""
+    the compiler's partitioner then keeps most of each block's activations for backward. `save_projections`
+    (parallel.ac_save_projections) exempts the narrowing matmuls (`_narrowing_matmul`)."""
     context = functools.partial(create_selective_checkpoint_contexts, _policy(save_projections))
 
     @functools.wraps(forward)

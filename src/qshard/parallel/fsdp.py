@@ -1,4 +1,11 @@
-"""Apply activation checkpointing and FSDP2 to a model skeleton (still on meta), block by block."""
+"""FSDP2 for a model skeleton (still on meta): `parallelize`, the recipe, and its steps.
+
+The recipe: ready the quantized storage for what holds it (FSDP2, as integers or in float carriers, checked
+byte for byte; or DTensor buffers), choose the blocks whose checkpoint is traced into their compiled graph,
+checkpoint the others with hooks, compile the blocks, then `fully_shard` each block, the embedding and the
+head, and the root. On one device the quantized blocks (and a frozen embedding and head) get no unit: they
+are used in place (`blocks_in_place`).
+"""
 
 from __future__ import annotations
 
@@ -10,16 +17,144 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from qshard.config import Config, reshard_after_forward
+from qshard.config import Config, ParallelConfig, checkpoint_trace_unmet, reshard_after_forward
 from qshard.errors import QShardError
 from qshard.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from qshard.parallel.compile import compile_blocks
 from qshard.parallel.mesh import local_piece, shard_placements
 from qshard.parallel.offload import offload_policy, offload_quantized_storage
-from qshard.precision import precision
+from qshard.precision import Precision, precision
 from qshard.quant import QUANTIZED_LINEARS
 
 log = logging.getLogger("qshard")
+
+
+def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: Config) -> str:
+    """Shard `model` over `mesh` block by block, checkpointed and compiled as `cfg.parallel` says.
+    Returns how the quantized storage is held: "fsdp", "dtensor", or "in_place" (see blocks_in_place)."""
+    parallel, prec = cfg.parallel, precision(cfg)
+    how = quant_sharding(cfg)
+    quantized = quantized_blocks(blocks) if how == "fsdp" else []
+    in_place = quantized if blocks_in_place(mesh, parallel) else []  # one device: no units for them
+    if how == "fsdp":
+        storage_for_units(model, blocks, in_place, mesh)
+        # FSDP2's copies must keep every byte of the storage: verified on this mesh before any weight is read.
+        check_storage_units([b for b in quantized if b not in in_place], mesh, parallel, prec, cfg.quant.method)
+    else:
+        storage_in_dtensor_buffers(model, blocks, mesh, parallel)
+    traced = traced_blocks(blocks, in_place, mesh, parallel, cfg.train.train_type, cfg.lora.dropout)
+    apply_activation_checkpointing(model, blocks, parallel, traced)
+    if parallel.compile:
+        compile_blocks(blocks, parallel.compile_backend, traced, parallel.ac_save_projections)
+    shard_blocks(blocks, quantized, in_place, mesh, parallel, prec, reshard_after_forward(cfg))
+    kept = shard_embedding_and_head(model, mesh, parallel, prec)
+    shard_root(model, [*in_place, *kept], mesh, parallel, prec)
+    return "in_place" if in_place else how
+
+
+def quant_sharding(cfg: Config) -> str:
+    """Who holds the quantized storage: "fsdp" by default on every torch (its gathers are grouped per block and
+    prefetched); "dtensor" buffers only when asked for (gathered layer by layer; under parallel.cpu_offload
+    kept in pinned host memory by parallel/offload.py; docs/benchmarks-history.md compares the two)."""
+    return "dtensor" if cfg.parallel.quant_sharding == "dtensor" else "fsdp"
+
+
+def quantized_blocks(blocks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks that hold quantized layers."""
+    return [b for b in blocks if any(isinstance(m, QUANTIZED_LINEARS) for m in b.modules())]
+
+
+def blocks_in_place(mesh: DeviceMesh, parallel: ParallelConfig) -> bool:
+    """On one device, a block of quantized layers needs no FSDP2 unit: its gathers would copy the storage
+    into a one-rank all-gather and back, three times a step (forward, recomputation, backward), and its
+    gradient reduction is the identity; without the unit's hooks and copies the step is faster
+    (docs/benchmarks-history.md). Such a block's unit would cast nothing (`storage_unit_policy`), so leaving
+    its parameters as plain tensors, used in place, changes no numbers. The same holds for a frozen embedding
+    or head in the compute dtype (`frozen_uncast`). CPU offload needs FSDP2 (its policy moves them)."""
+    return mesh.size() == 1 and not parallel.cpu_offload
+
+
+def storage_in_dtensor_buffers(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,
+                               parallel: ParallelConfig) -> None:
+    """Every quantized layer's storage sharded as DTensor buffers, outside FSDP2; under parallel.cpu_offload
+    moved to host memory as well, since FSDP2's CPUOffloadPolicy moves only what FSDP2 manages and the storage
+    is the bulk of the model (moved before materialization, it never exists on the GPU whole)."""
+    for module in model.modules():
+        if isinstance(module, QUANTIZED_LINEARS):
+            shard_as_dtensor_buffers(module, mesh)
+    if parallel.cpu_offload:
+        offload_quantized_storage(model, blocks, compute_device(mesh))
+
+
+def traced_blocks(blocks: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig,
+                  train_type: str, dropout: float) -> list[nn.Module]:
+    """The checkpointed blocks whose checkpoint is traced into their compiled graph (parallel/checkpointing.py:
+    traced_checkpoint): where `checkpoint_trace_unmet` finds nothing unmet, the quantized blocks used in place.
+    The other checkpointed blocks keep hooks around their (compiled) forward."""
+    traced = []
+    if not checkpoint_trace_unmet(parallel, train_type, dropout, mesh.size()):
+        traced = [b for b in checkpointed_blocks(blocks, parallel) if b in in_place]
+    if parallel.ac_save_projections and not traced:  # the config allowed it; the world size does not
+        log.warning("parallel.ac_save_projections has no effect: no block is checkpointed inside its compiled "
+                    "graph (world size %d)", mesh.size())
+    return traced
+
+
+def shard_blocks(blocks: list[nn.Module], quantized: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh,
+                 parallel: ParallelConfig, prec: Precision, reshard: bool) -> None:
+    """One FSDP2 unit per block not used in place; those whose quantized storage FSDP2 gathers cast nothing
+    (`storage_unit_policy`). `reshard`: whether blocks free their gathered weights after forward."""
+    mp, offload = prec.mp_policy(), offload_policy(parallel)
+    uncast = storage_unit_policy(mp)
+    for i, block in enumerate(blocks):
+        if block in in_place:
+            continue
+        # The last block's weights are needed again at once by backward: keeping them saves an all-gather.
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=uncast if block in quantized else mp,
+                    reshard_after_forward=reshard and not last, offload_policy=offload)
+
+
+def shard_embedding_and_head(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig,
+                             prec: Precision) -> list[nn.Module]:
+    """Units of their own for an untied embedding and head, so that neither holds a gathered copy for the
+    whole step; on one device, a frozen one that the policy would not cast is used in place instead, like the
+    quantized blocks (`frozen_uncast`). Returns the modules used in place."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is embed.weight:
+        # A tied pair stays in one unit, the root (materialized outside FSDP2, its two modules would get a
+        # parameter each).
+        return []
+    mp, offload = prec.mp_policy(), offload_policy(parallel)
+    kept = []
+    # The embedding is needed in its forward only (and in backward only if it trains); the head stays gathered
+    # from forward into backward, which begins with it, and the chunked loss reads its weight (train/loss.py).
+    for module, reshard in ((embed, True), (head, False)):
+        if blocks_in_place(mesh, parallel) and frozen_uncast(module, mp):
+            kept.append(module)
+        else:
+            fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    return kept
+
+
+def frozen_uncast(module: nn.Module, mp: MixedPrecisionPolicy) -> bool:
+    """Whether every parameter of `module` is frozen and already in the dtype its unit would gather it in."""
+    params = list(module.parameters())
+    return bool(params) and all(not p.requires_grad and mp.param_dtype in (None, p.dtype) for p in params)
+
+
+def shard_root(model: nn.Module, in_place: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig,
+               prec: Precision) -> None:
+    """The root unit: what no other unit holds (the final norm, a tied embedding and head), leaving out the
+    parameters of the modules used in place."""
+    ignored = {p for module in in_place for p in module.parameters()}
+    # The root's weights are needed again at once by backward.
+    fully_shard(model, mesh=mesh, mp_policy=prec.mp_policy(), reshard_after_forward=False,
+                offload_policy=offload_policy(parallel), ignored_params=ignored or None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantized storage that FSDP2 units hold: as integers, or in float carriers.
 
 # Float dtypes that carry the quantized storage's bytes where FSDP2 cannot hold integers: codes (uint8) two to a
 # bf16 element, scales (fp32 bits kept as int32) as the fp32 values they are. Two dtypes in every quantized layer.
@@ -31,8 +166,8 @@ _holds_integers: bool | None = None  # fsdp_holds_integers' answer, once per pro
 def fsdp_holds_integers(mesh: DeviceMesh) -> bool:
     """Whether the installed FSDP2 takes a frozen integer parameter: asked of `fully_shard` itself once per
     process, on a throwaway module whose one uint8 parameter lives on meta (no memory, no collective: sharding
-    only slices). FSDP2 releases that wrap every sharded parameter in a new `nn.Parameter` requiring grad
-    refuse it there ("only Tensors of floating point dtype can require gradients")."""
+    only slices). An FSDP2 that wraps every sharded parameter in a new `nn.Parameter` requiring grad refuses
+    it there ("only Tensors of floating point dtype can require gradients")."""
     global _holds_integers
     if _holds_integers is None:
         probe = nn.Module()
@@ -47,17 +182,33 @@ def fsdp_holds_integers(mesh: DeviceMesh) -> bool:
     return _holds_integers
 
 
+def storage_for_units(model: nn.Module, blocks: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Ready the quantized storage of the blocks FSDP2 units will hold: as it is where this FSDP2 holds integer
+    parameters, else in float carriers (`carry_storage_in_float`). Storage used in place (`in_place` blocks)
+    keeps its integer dtypes: a compiled graph that views the fp32 scale carrier back as int32 and again as
+    fp32 (the views fold away) fails the compiler's partitioner when the checkpoint is traced into the graph."""
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    assert all(id(m) in in_blocks for m in model.modules() if isinstance(m, QUANTIZED_LINEARS)), \
+        "quantized storage outside the blocks would join a unit that casts (embedding, head or root)"
+    if fsdp_holds_integers(mesh):
+        return
+    kept = {id(m) for b in in_place for m in b.modules()}
+    for module in model.modules():
+        if isinstance(module, QUANTIZED_LINEARS) and id(module) not in kept:
+            carry_storage_in_float(module)
+
+
 def carry_storage_in_float(layer: nn.Module) -> None:
     """Re-register a quantized layer's integer storage (codes, scales) as float parameters viewing the same
     bytes (`CARRIERS`), before FSDP2 takes the layer; the dequantizers view them back (quant/nf4.py, hqq.py).
 
     Why: an FSDP2 that cannot hold an integer parameter (`fsdp_holds_integers`) still takes these, and shards,
     groups and prefetches them with the rest of the block (DTensor buffers are gathered layer by layer on use).
-    Two conditions keep the bytes intact, both arranged in `parallelize`: the block's unit casts nothing (a
-    cast to bf16 would round the fp32 scales and turn NaN-looking code pairs into the canonical NaN), and its
-    all-gather inputs are of mixed dtypes, for which FSDP2 copies them in and out as bytes (a single-dtype
-    bf16 group is copied through fp32 arithmetic on CUDA, which canonicalizes NaNs too). Both are FSDP2's
-    internals, so `check_storage_gather` verifies the bytes at build time."""
+    Two conditions keep the bytes intact: the block's unit casts nothing (`storage_unit_policy`; a cast to
+    bf16 would round the fp32 scales and turn NaN-looking code pairs into the canonical NaN), and its
+    all-gather inputs are of mixed dtypes (the two carriers at least), for which FSDP2 copies them in and out
+    as bytes (a single-dtype bf16 group is copied through fp32 arithmetic on CUDA, which canonicalizes NaNs
+    too). Both are FSDP2's internals, so `check_storage_gather` verifies the bytes at build time."""
     for name in layer.STORAGE:
         param = layer._parameters[name]
         carrier = CARRIERS[param.dtype]
@@ -167,10 +318,11 @@ def check_storage_gather(block: nn.Module, mesh: DeviceMesh, policy: MixedPrecis
     return total
 
 
-def check_storage_units(blocks: list[nn.Module], mesh: DeviceMesh, policy: MixedPrecisionPolicy,
-                        offload: OffloadPolicy, method: str) -> None:
+def check_storage_units(blocks: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig, prec: Precision,
+                        method: str) -> None:
     """`check_storage_gather` once for each kind of unit these quantized blocks form (one in the models qshard
-    builds), each logged in one line when it passes."""
+    builds), with the policies `shard_blocks` gives them; each logged in one line when it passes."""
+    policy, offload = storage_unit_policy(prec.mp_policy()), offload_policy(parallel)
     kinds = {}
     for block in blocks:
         kinds.setdefault(_unit_kind(block), block)
@@ -180,6 +332,9 @@ def check_storage_units(blocks: list[nn.Module], mesh: DeviceMesh, policy: Mixed
                  "NaN-looking patterns", method.upper(), "/".join(str(d).removeprefix("torch.") for d in storage),
                  compute_device(mesh).type, mesh.size(), nbytes)
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantized storage outside FSDP2: DTensor buffers.
 
 def shard_as_dtensor_buffers(layer: nn.Module, mesh: DeviceMesh) -> None:
     """Move a quantized layer's codes and scales (NF4 or HQQ) out of FSDP2's reach into dim-0-sharded DTensor buffers:
@@ -200,115 +355,6 @@ def compute_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
-
-
-def quant_sharding(cfg: Config) -> str:
-    # FSDP2 by default on every torch (its gathers are grouped per block and prefetched). DTensor buffers only
-    # when asked for: gathered layer by layer, and under `parallel.cpu_offload` kept in pinned host memory by
-    # parallel/offload.py (faster than FSDP2's offload on one GPU, slower on two: docs/benchmarks.md).
-    return "dtensor" if cfg.parallel.quant_sharding == "dtensor" else "fsdp"
-
-
-def storage_for_units(model: nn.Module, blocks: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh) -> None:
-    """Ready the quantized storage of the blocks FSDP2 units will hold: as it is where this FSDP2 holds integer
-    parameters, else in float carriers (`carry_storage_in_float`). Storage used in place (`in_place` blocks)
-    keeps its integer dtypes: a compiled graph that views the fp32 scale carrier back as int32 and again as
-    fp32 (the views fold away) fails the compiler's partitioner when the checkpoint is traced into the graph."""
-    in_blocks = {id(m) for b in blocks for m in b.modules()}
-    assert all(id(m) in in_blocks for m in model.modules() if isinstance(m, QUANTIZED_LINEARS)), \
-        "quantized storage outside the blocks would join a unit that casts (embedding, head or root)"
-    if fsdp_holds_integers(mesh):
-        return
-    kept = {id(m) for b in in_place for m in b.modules()}
-    for module in model.modules():
-        if isinstance(module, QUANTIZED_LINEARS) and id(module) not in kept:
-            carry_storage_in_float(module)
-
-
-def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: Config) -> str:
-    """Checkpointing first, then compilation, then one FSDP unit per block, the embedding and the head, then
-    the root.
-    Returns how the quantized storage is held: "fsdp", "dtensor", or "in_place" (see blocks_in_place)."""
-    mp = precision(cfg).mp_policy()
-    how = quant_sharding(cfg)
-    quantized = [how == "fsdp" and any(isinstance(m, QUANTIZED_LINEARS) for m in b.modules()) for b in blocks]
-    in_place_blocks = [b for b, q in zip(blocks, quantized) if q] if blocks_in_place(mesh, cfg) else []
-    if how == "fsdp":
-        storage_for_units(model, blocks, in_place_blocks, mesh)
-    else:
-        for module in model.modules():
-            if isinstance(module, QUANTIZED_LINEARS):
-                shard_as_dtensor_buffers(module, mesh)
-        if cfg.parallel.cpu_offload:
-            # FSDP2's CPUOffloadPolicy moves only what FSDP2 manages: the quantized storage, the bulk of the
-            # model, goes to host memory here (before materialization, so it never exists on the GPU whole).
-            offload_quantized_storage(model, blocks, compute_device(mesh))
-    # Compiled blocks used in place have their checkpoint traced into the graph (parallel/checkpointing.py:
-    # traced_checkpoint); the others keep hooks around the compiled forward. Traced with the float carriers
-    # of a unit's storage, torch 2.13's partitioner fails as above (reproduced on CPU with inductor). Not
-    # with LoRA dropout either: the traced checkpoint keeps every dropout's output and mask (6x the kept
-    # bytes of hooks on a tiny Llama at dropout 0.1), where the hooks' recomputation redraws them exactly.
-    in_place_ids = {id(b) for b in in_place_blocks}
-    trace = cfg.parallel.compile and cfg.lora.dropout == 0
-    traced = [b for b in checkpointed_blocks(blocks, cfg.parallel) if id(b) in in_place_ids and trace]
-    if cfg.parallel.ac_save_projections and not traced:  # the config allowed it; the world size does not
-        log.warning("parallel.ac_save_projections has no effect: no block is checkpointed inside its compiled "
-                    "graph (world size %d)", mesh.size())
-    apply_activation_checkpointing(model, blocks, cfg.parallel, traced)
-    if cfg.parallel.compile:
-        compile_blocks(blocks, cfg.parallel.compile_backend, traced, cfg.parallel.ac_save_projections)
-    offload = offload_policy(cfg)
-    uncast = storage_unit_policy(mp)  # for blocks whose quantized storage FSDP2 gathers
-    in_place = set()  # parameters no unit manages (see blocks_in_place)
-    for i, block in enumerate(blocks):
-        if id(block) in in_place_ids:
-            in_place.update(block.parameters())
-            continue
-        # The last block's weights are needed again at once by backward: keeping them saves an all-gather.
-        reshard = reshard_after_forward(cfg) and i < len(blocks) - 1
-        policy = uncast if quantized[i] else mp
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
-    units = [b for b, q in zip(blocks, quantized) if q and id(b) not in in_place_ids]
-    check_storage_units(units, mesh, uncast, offload, cfg.quant.method)
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    untied = head is not None and head.weight is not embed.weight
-    if untied and blocks_in_place(mesh, cfg):
-        # One device: a frozen embedding or head that the policy would not cast is used in place as well;
-        # as units they would be copied into a one-rank all-gather and back every step, and the head's copy
-        # kept from forward into backward (1 GiB each for the 8B shape). A tied pair stays with the root:
-        # materialized outside FSDP2, its two modules would get a parameter each.
-        for module in (embed, head):
-            if frozen_uncast(module, mp):
-                in_place.update(module.parameters())
-    if untied:  # a tied pair must stay in one unit (the root)
-        # Units of their own, so neither holds a gathered copy for the whole step: the embedding is needed
-        # in its forward only (and in backward only if it trains); the head stays gathered from forward
-        # into backward, which begins with it, and the chunked loss reads its weight (train/loss.py).
-        if not in_place.issuperset(embed.parameters()):
-            fully_shard(embed, mesh=mesh, mp_policy=mp, reshard_after_forward=True, offload_policy=offload)
-        if not in_place.issuperset(head.parameters()):
-            fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
-    # The root (what is left: final norm, a tied embedding/head) is needed again at once by backward.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload,
-                ignored_params=in_place or None)
-    return "in_place" if in_place_blocks else how
-
-
-def frozen_uncast(module: nn.Module, mp: MixedPrecisionPolicy) -> bool:
-    """Whether every parameter of `module` is frozen and already in the dtype its unit would gather it in."""
-    params = list(module.parameters())
-    return bool(params) and all(not p.requires_grad and mp.param_dtype in (None, p.dtype) for p in params)
-
-
-def blocks_in_place(mesh: DeviceMesh, cfg: Config) -> bool:
-    """On one device, a block of quantized layers needs no FSDP2 unit: its gathers would copy the storage
-    into a one-rank all-gather and back, three times a step (forward, recomputation, backward), and its
-    gradient reduction is the identity. Measured on an H200 (8B shape, seq 2,048, compiled blocks): the
-    hooks cost ~100 ms of host time and the copies ~50 ms of GPU time a step; without them the step is
-    10% faster. Such a block's unit would cast nothing (see `uncast` above), so leaving its parameters as
-    plain tensors, used in place, changes no numbers. The same holds for a frozen embedding or head in the
-    compute dtype (`frozen_uncast`). CPU offload needs FSDP2 (its policy moves them)."""
-    return mesh.size() == 1 and not cfg.parallel.cpu_offload
 
 
 def reshard_all(model: nn.Module) -> None:

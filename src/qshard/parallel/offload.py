@@ -31,13 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Placement
 
-from qshard.config import Config
+from qshard.config import Config, ParallelConfig
 from qshard.parallel.mesh import local_piece
 from qshard.quant import QUANTIZED_LINEARS
 
 
-def offload_policy(cfg: Config) -> OffloadPolicy:
-    if not cfg.parallel.cpu_offload:
+def offload_policy(parallel: ParallelConfig) -> OffloadPolicy:
+    """FSDP2's offload policy for every unit: none, or parameters, gradients and optimizer state on the CPU."""
+    if not parallel.cpu_offload:
         return OffloadPolicy()
     # Pinned host memory makes the host<->GPU copies asynchronous; there is nothing to pin without CUDA.
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -109,7 +110,7 @@ class _BlockStorage:
 
     One buffer per block, not one tensor per shard: the block then reaches the GPU in a single copy, and
     torch's pinned-memory allocator, which rounds each allocation up to a power of two, rounds once per
-    block (about 13% over a 70B block's 0.45 GiB) instead of once per shard (up to 2x)."""
+    block instead of once per shard (up to 2x each)."""
 
     def __init__(self, layout: Layout, nbytes: int, pin: bool) -> None:
         self.layout = layout
@@ -140,13 +141,13 @@ class StorageWindow:
     """The blocks' offloaded storage, and its copies on the compute device: the block running now and the
     one expected next, nothing else, so GPU memory does not grow with the model.
 
-    Why a side stream: copying a 70B block's 0.45 GiB over PCIe takes ~10-20 ms, about as long as the
-    block's compute; issued on the compute stream it would stall every block for that long. Issued on a
-    side stream as soon as the previous block starts, it runs under that block's compute; an event orders
-    the first use after the copy. Forward visits blocks in order; backward, and with it the recomputation
-    of checkpointed blocks (which runs inside backward), in reverse, so the next block is chosen by whether
-    autograd's engine is running. Where no prefetch was made (the first block, a direction change) the copy
-    is made on demand, on the side stream all the same.
+    Why a side stream: copying a block's storage over PCIe takes about as long as the block's compute;
+    issued on the compute stream it would stall every block for that long. Issued on a side stream as soon
+    as the previous block starts, it runs under that block's compute; an event orders the first use after
+    the copy. Forward visits blocks in order; backward, and with it the recomputation of checkpointed blocks
+    (which runs inside backward), in reverse, so the next block is chosen by whether autograd's engine is
+    running. Where no prefetch was made (the first block, a direction change) the copy is made on demand, on
+    the side stream all the same.
 
     This runs in eager code only: a compiled block copies its layers' shards inside its graph (see
     `OffloadedStorage.full`), with no streams or Python state for the compiler to trace."""
