@@ -344,8 +344,9 @@ def test_read_ahead_hands_out_every_tensor_as_stored(tmp_path, monkeypatch, how)
     import threading
     import time
 
-    from qshard.loading import ReadOptions, _ReadAhead
-    from qshard.weight_files import SafetensorsFile
+    from qshard.loading import ReadOptions
+    from qshard.loading.read_ahead import _ReadAhead
+    from qshard.loading.weight_files import SafetensorsFile
 
     model_dir = _tiny_sharded(tmp_path)
     expected = {n: t for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items()}

@@ -21,7 +21,7 @@ from qshard import build, models
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.loading import Checkpoint
-from qshard.weight_files import SafetensorsFile
+from qshard.loading.weight_files import SafetensorsFile
 
 RECORD = {"instruction": "add 2 and 3", "output": "5"}
 NO_CODE = "qshard does not run model-supplied code"

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from qshard import models, outputs
 from qshard.errors import QShardError
 from qshard.loading import INDEX_FILE, SINGLE_FILE, Checkpoint
-from qshard.weight_files import SafetensorsWriter
+from qshard.loading.weight_files import SafetensorsWriter
 
 log = logging.getLogger("qshard")
 
