@@ -17,9 +17,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from qshard.errors import QShardError
+from qshard.hf_config import load_hf_config
 from qshard.loading.model_dir import Checkpoint
 from qshard.loading.plan import expected_tensors
 from qshard.parallel.distributed import from_rank0, one_line
+from qshard.random_model import random_tensor
 
 
 class RandomSource:
@@ -35,8 +37,6 @@ class RandomSource:
         self.seed, self.device, self.dtype = seed, device, dtype
 
     def read(self, name: str) -> torch.Tensor:
-        from qshard.random_model import random_tensor
-
         return random_tensor(name, self.expected[name], self.seed, self.device, self.dtype)
 
 
@@ -112,11 +112,9 @@ def model_files_from_rank0(model_dir: str | Path | None, is_main: bool) -> Path:
     other ranks need no access to the model directory at all."""
 
     def read() -> dict[str, bytes]:
-        from qshard.models import load_hf_config  # checks the directory and config.json, as every load does
-
         if model_dir is None:
             raise QShardError("model.path: no model directory given (and no model.shape)")
-        load_hf_config(model_dir)
+        load_hf_config(model_dir)  # checks the directory and config.json, as every load does
         return {f.name: f.read_bytes() for f in sorted(Path(model_dir).iterdir())
                 if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.stat().st_size <= SHARED_FILE_MAX_BYTES}
 
