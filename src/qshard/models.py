@@ -29,8 +29,6 @@ from qshard.quant.nf4 import can_quantize
 
 log = logging.getLogger("qshard")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
     """The causal LM with every parameter on the meta device: no memory, no initialization cost."""
