@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import shutil
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from qshard import outputs
 from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config
-from qshard.loading import INDEX_FILE, SINGLE_FILE, Checkpoint
+from qshard.loading import INDEX_FILE, SINGLE_FILE, WEIGHT_SUFFIXES, Checkpoint
 from qshard.loading.weight_files import SafetensorsWriter
 from qshard.models import LLAMA_PRO_MARKER as MARKER
 
@@ -36,7 +37,6 @@ log = logging.getLogger("qshard")
 # output, and the MLP output (dense, fused experts `experts.down_proj`, or Mixtral's per-expert `w2`).
 ATTENTION_OUTPUTS = ("o_proj",)
 MLP_OUTPUTS = ("down_proj", "w2")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 _LAYER = re.compile(r"^(?P<stem>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
 
@@ -124,7 +124,7 @@ def _describes_model(item: Path) -> bool:
     """A file to copy as it is: not a weight file, nor config.json (rewritten), nor the marker of an export
     the source may be (the expansion is no export: a later export must not take it for one to replace)."""
     return (item.is_file() and item.name not in ("config.json", outputs.MARKER)
-            and not item.name.endswith(_WEIGHT_SUFFIXES))
+            and not item.name.endswith(WEIGHT_SUFFIXES))
 
 
 def _plan(ckpt: Checkpoint, layers: int, sources: list[tuple[int, bool]]) -> list[_Tensor]:
@@ -204,7 +204,7 @@ def _write_weights(dest: Path, ckpt: Checkpoint, plan: list[_Tensor], max_shard_
     shards: list[list[_Tensor]] = [[]]
     size = 0
     for t in plan:
-        nbytes = ckpt.dtype(t.source).itemsize * _numel(ckpt.shape(t.source))
+        nbytes = ckpt.dtype(t.source).itemsize * math.prod(ckpt.shape(t.source))
         if max_shard_bytes is not None and size and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -229,10 +229,3 @@ def _write_weights(dest: Path, ckpt: Checkpoint, plan: list[_Tensor], max_shard_
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (dest / INDEX_FILE).write_text(json.dumps(index, indent=2))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -16,12 +16,13 @@ One file per concern:
     sources        weights from elsewhere: random values, or rank 0's files over the network
 """
 
-from qshard.loading.model_dir import INDEX_FILE, SINGLE_FILE, Checkpoint
+from qshard.loading.model_dir import INDEX_FILE, SINGLE_FILE, WEIGHT_SUFFIXES, Checkpoint
 from qshard.loading.plan import check_checkpoint, init_adapters, join_name, load_plan, module_sources
 from qshard.loading.read_ahead import ReadOptions, load_weights
 from qshard.loading.sources import BroadcastSource, RandomSource, model_files_from_rank0
 
 __all__ = [
-    "INDEX_FILE", "SINGLE_FILE", "BroadcastSource", "Checkpoint", "RandomSource", "ReadOptions", "check_checkpoint",
-    "init_adapters", "join_name", "load_plan", "load_weights", "model_files_from_rank0", "module_sources",
+    "INDEX_FILE", "SINGLE_FILE", "WEIGHT_SUFFIXES", "BroadcastSource", "Checkpoint", "RandomSource", "ReadOptions",
+    "check_checkpoint", "init_adapters", "join_name", "load_plan", "load_weights", "model_files_from_rank0",
+    "module_sources",
 ]

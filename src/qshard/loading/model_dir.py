@@ -10,6 +10,7 @@ the read-ahead (`read_ahead`) can read it in pieces. The files themselves are re
 from __future__ import annotations
 
 import json
+import math
 import threading
 from pathlib import Path, PurePosixPath
 
@@ -23,6 +24,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 BIN_FILE = "pytorch_model.bin"
+# Files of a model directory that hold weights.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 class Checkpoint:
@@ -100,7 +103,7 @@ class Checkpoint:
             first = self._info[sources[0]]
             shape = expected[name] if isinstance(view, expert_layout.Stacked) else first.shape
             self.files[name] = self.files[sources[0]]
-            self._info[name] = TensorInfo(first.dtype, shape, 0, first.dtype.itemsize * _numel(shape))
+            self._info[name] = TensorInfo(first.dtype, shape, 0, first.dtype.itemsize * math.prod(shape))
             self._views[name] = view
         for view in found.values():
             for source in view.sources():
@@ -147,10 +150,3 @@ class Checkpoint:
         if self._open_bin is not None:
             self._open_bin.close()
             self._open_bin = None
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +22,6 @@ import torch
 import torch.nn as nn
 
 from qshard.errors import QShardError
-from qshard.loading.model_dir import _numel
 from qshard.loading.plan import load_plan
 from qshard.loading.weight_files import SafetensorsFile
 
@@ -207,7 +207,7 @@ class _ReadAhead:
                 pieces += [(file, stored, start, min(step, size - start), offset + start)
                            for start in range(0, size, step)]
                 offset += size
-        return _Job(name, shape, dtype, _numel(shape) * dtype.itemsize, pieces)
+        return _Job(name, shape, dtype, math.prod(shape) * dtype.itemsize, pieces)
 
     def __enter__(self) -> _ReadAhead:
         return self

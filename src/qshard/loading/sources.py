@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config
-from qshard.loading.model_dir import Checkpoint
+from qshard.loading.model_dir import WEIGHT_SUFFIXES, Checkpoint
 from qshard.loading.plan import expected_tensors
 from qshard.parallel.distributed import from_rank0, one_line
 from qshard.random_model import random_tensor
@@ -100,9 +100,8 @@ class BroadcastSource:
             self._ckpt.close()
 
 
-# Files of a model directory that hold weights; every other file (config, tokenizer, generation config)
-# is what a rank needs besides the weights.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+# Every file of a model directory but its weights (config, tokenizer, generation config) is what a rank needs
+# besides the weights.
 SHARED_FILE_MAX_BYTES = 256 << 20  # larger non-weight files (an optimizer dump left in the directory) stay
 
 
