@@ -78,8 +78,9 @@ def test_experts_are_quantized_per_expert(tiny_models, dist_env):
 
 def test_model_without_block_declaration_is_refused(tiny_models):
     from qshard import models
+    from qshard.hf_config import load_hf_config
 
-    model = models.build_skeleton(models.load_hf_config(tiny_models("llama")), Config())
+    model = models.build_skeleton(load_hf_config(tiny_models("llama")), Config())
     model._no_split_modules = None  # as a model class that never declared its block
     with pytest.raises(QShardError, match="LlamaForCausalLM does not declare _no_split_modules.*model.block_class"):
         models.find_blocks(model, None)

@@ -230,7 +230,7 @@ T5 = dict(model_type="t5", vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_la
         (lambda d: config_only(d, T5), ["config.json", "T5Config", "'t5'", "encoder-decoder"]),
         (lambda d: config_only(d, {"model_type": "vit"}), ["ViTConfig", "'vit'", "no causal-LM class"]),
         (lambda d: (d / "config.json").unlink(), ["no config.json"]),
-        # (models.load_hf_config would say config.json:2, but the tokenizer, loaded first, reports it)
+        # (hf_config.load_hf_config would say config.json:2, but the tokenizer, loaded first, reports it)
         (lambda d: (d / "config.json").write_text('{"model_type": "llama",\n  "hidden_size": }'),
          ["config.json", "JSON"]),
         (lambda d: (d / "config.json").write_text('{"hidden_size": 128}'),
@@ -258,9 +258,9 @@ def test_invalid_config_values(inputs, tmp_path, capsys):
 
 
 def test_invalid_config_values_model_check(inputs, tmp_path):
-    """The same problem as above, reported by models.load_hf_config once it runs first."""
+    """The same problem as above, reported by hf_config.load_hf_config once it runs first."""
     from qshard.errors import QShardError
-    from qshard.models import load_hf_config
+    from qshard.hf_config import load_hf_config
 
     model = copy_model(inputs, tmp_path / "model")
     edit_config(model, num_attention_heads=3)

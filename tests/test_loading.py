@@ -18,8 +18,8 @@ from test_train import _config
 from qshard.build import build_model, local_model_dir
 from qshard.config import Config
 from qshard.errors import QShardError
+from qshard.hf_config import load_hf_config
 from qshard.loading import Checkpoint
-from qshard.models import load_hf_config
 from qshard.random_model import write_random_checkpoint
 from qshard.train.run import train
 
@@ -30,6 +30,7 @@ import json, sys
 from qshard import models
 from qshard.build import build_model
 from qshard.config import Config
+from qshard.hf_config import load_hf_config
 from qshard.parallel.distributed import init_distributed
 
 def status(key):
@@ -39,7 +40,7 @@ def status(key):
 
 env = init_distributed()
 cfg = Config()
-models.build_skeleton(models.load_hf_config(sys.argv[1]), cfg)  # import the architecture's code first
+models.build_skeleton(load_hf_config(sys.argv[1]), cfg)  # import the architecture's code first
 try:
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
         f.write("5")
@@ -344,8 +345,9 @@ def test_read_ahead_hands_out_every_tensor_as_stored(tmp_path, monkeypatch, how)
     import threading
     import time
 
-    from qshard.loading import ReadOptions, _ReadAhead
-    from qshard.weight_files import SafetensorsFile
+    from qshard.loading import ReadOptions
+    from qshard.loading.read_ahead import _ReadAhead
+    from qshard.loading.weight_files import SafetensorsFile
 
     model_dir = _tiny_sharded(tmp_path)
     expected = {n: t for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items()}

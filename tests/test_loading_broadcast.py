@@ -64,7 +64,7 @@ def test_any_failure_on_rank0_becomes_one_clear_error_on_every_rank(dist_env):
     """Not only QShardError: an OSError reading the files on rank 0 must reach the ranks waiting in the
     broadcast as the same clear error, or they would wait for the collective timeout."""
     from qshard.errors import QShardError
-    from qshard.loading import from_rank0
+    from qshard.parallel.distributed import from_rank0
 
     def unreadable():
         raise PermissionError(13, "Permission denied", "/models/x/config.json")

@@ -20,8 +20,9 @@ from test_loading import _free_port
 from qshard import build, models
 from qshard.config import Config
 from qshard.errors import QShardError
+from qshard.hf_config import load_hf_config
 from qshard.loading import Checkpoint
-from qshard.weight_files import SafetensorsFile
+from qshard.loading.weight_files import SafetensorsFile
 
 RECORD = {"instruction": "add 2 and 3", "output": "5"}
 NO_CODE = "qshard does not run model-supplied code"
@@ -60,7 +61,7 @@ def test_auto_map_is_refused_before_anything_is_loaded(tiny_models, tmp_path, ca
     assert code == 2
     assert_one_error(code, err, str(model_dir / file), "'auto_map'", NO_CODE)
     # Each loader refuses on its own too, whoever calls it.
-    for load in (models.load_hf_config, build.load_tokenizer):
+    for load in (load_hf_config, build.load_tokenizer):
         with pytest.raises(QShardError, match=NO_CODE):
             load(model_dir)
     assert not (tmp_path / "MARKER").exists()
@@ -225,7 +226,7 @@ def test_a_huge_lora_rank_is_refused_before_any_allocation(tiny_models, tmp_path
     # The refusal comes from the skeleton on the meta device: nothing was allocated for it.
     cfg = Config()
     cfg.lora.rank = 1_000_000_000
-    model = models.build_skeleton(models.load_hf_config(model_dir), cfg)
+    model = models.build_skeleton(load_hf_config(model_dir), cfg)
     with pytest.raises(QShardError, match="lora.rank 1000000000 exceeds"):
         models.prepare_modules(model, models.find_blocks(model, None), cfg)
 
@@ -234,7 +235,7 @@ def test_adapters_larger_than_memory_are_refused_in_one_line(tiny_models):
     model_dir = tiny_models("llama")
     cfg = Config()
     cfg.lora.rank = 64
-    model = models.build_skeleton(models.load_hf_config(model_dir), cfg)
+    model = models.build_skeleton(load_hf_config(model_dir), cfg)
     models.prepare_modules(model, models.find_blocks(model, None), cfg)
     trained = models.adapter_bytes(model) * models.TRAINED_COPIES
     models.check_adapter_memory(model, cfg, 2, trained // 2)  # fits when sharded over two ranks

@@ -126,10 +126,11 @@ def test_broadcast_loading_names_the_tensor_too(tiny_models, tmp_path, dist_env)
     from qshard import models
     from qshard.config import Config
     from qshard.errors import QShardError
+    from qshard.hf_config import load_hf_config
     from qshard.loading import BroadcastSource, check_checkpoint, load_weights
 
     model_dir = _damaged_copy(tiny_models, tmp_path / "model", _nan_in_quantized)
-    model = models.build_skeleton(models.load_hf_config(model_dir), Config()).to_empty(device="cpu")
+    model = models.build_skeleton(load_hf_config(model_dir), Config()).to_empty(device="cpu")
     source = BroadcastSource(model_dir, dist_env.is_main, dist_env.device)
     check_checkpoint(source, model)
     with pytest.raises(QShardError, match=r"^model\.layers\.1\.mlp\.up_proj\.weight in .*/model-00002-of-00002"

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from qshard import loading, models
 from qshard.config import DORA_TRAIN_TYPES, Config
 from qshard.errors import QShardError
+from qshard.hf_config import load_hf_config, refuse_model_code
 from qshard.models import SwapReport
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import parallelize
@@ -26,7 +27,7 @@ log = logging.getLogger("qshard")
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     """The model directory's tokenizer, by transformers' own classes only (never code from the directory)."""
-    models.refuse_model_code(model_dir)
+    refuse_model_code(model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as exc:
@@ -42,7 +43,7 @@ def model_config(cfg: Config, model_dir: str | Path | None):
         return named_config(cfg.model.shape)
     if model_dir is None:
         raise QShardError("model.path: no model directory given (and no model.shape)")
-    return models.load_hf_config(model_dir)
+    return load_hf_config(model_dir)
 
 
 def random_init(cfg: Config) -> bool:

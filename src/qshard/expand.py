@@ -1,5 +1,5 @@
 """Llama-Pro block expansion (Wu et al., 2024): `qshard expand` writes a deeper copy of a checkpoint, and
-`train.train_type: llama_pro` trains only the blocks it added.
+`train.train_type: llama_pro` trains only the blocks it added (`models.new_blocks` finds them).
 
 The L original blocks are split into N groups of L/N; after each group comes a copy of the group's last
 block whose residual-stream writers (the attention output `o_proj` and the MLP output `down_proj`, per
@@ -15,29 +15,28 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from qshard import models, outputs
+from qshard import outputs
 from qshard.errors import QShardError
-from qshard.loading import INDEX_FILE, SINGLE_FILE, Checkpoint
-from qshard.weight_files import SafetensorsWriter
+from qshard.hf_config import load_hf_config
+from qshard.loading import INDEX_FILE, SINGLE_FILE, WEIGHT_SUFFIXES, Checkpoint
+from qshard.loading.weight_files import SafetensorsWriter
+from qshard.models import LLAMA_PRO_MARKER as MARKER
 
 log = logging.getLogger("qshard")
 
-# Written into the expanded config.json: which layers are new, for `train_type: llama_pro` to train.
-MARKER = "qshard_llama_pro"
 # Module names of the linears that write into the residual stream, zeroed in a new block: the attention
 # output, and the MLP output (dense, fused experts `experts.down_proj`, or Mixtral's per-expert `w2`).
 ATTENTION_OUTPUTS = ("o_proj",)
 MLP_OUTPUTS = ("down_proj", "w2")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 _LAYER = re.compile(r"^(?P<stem>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
 
@@ -68,7 +67,7 @@ def expand_checkpoint(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise QShardError(f"--output: {out_dir} already exists and is not an empty directory")
-    hf_config = models.load_hf_config(model_dir)
+    hf_config = load_hf_config(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
     if MARKER in raw:
         raise QShardError(f"{model_dir / 'config.json'}: this model is already expanded ({MARKER} is set)")
@@ -90,7 +89,7 @@ def expand_checkpoint(
         tmp.mkdir(parents=True)
         (tmp / PARTIAL_MARKER).touch()  # says whose directory this is, until the rename below
         _write_config(tmp, raw, sources, layers)
-        _check_layers(hf_config, models.load_hf_config(tmp), sources)
+        _check_layers(hf_config, load_hf_config(tmp), sources)
         for item in model_dir.iterdir():  # tokenizer, generation config, ...
             if _describes_model(item):
                 shutil.copy2(item, tmp / item.name)
@@ -125,7 +124,7 @@ def _describes_model(item: Path) -> bool:
     """A file to copy as it is: not a weight file, nor config.json (rewritten), nor the marker of an export
     the source may be (the expansion is no export: a later export must not take it for one to replace)."""
     return (item.is_file() and item.name not in ("config.json", outputs.MARKER)
-            and not item.name.endswith(_WEIGHT_SUFFIXES))
+            and not item.name.endswith(WEIGHT_SUFFIXES))
 
 
 def _plan(ckpt: Checkpoint, layers: int, sources: list[tuple[int, bool]]) -> list[_Tensor]:
@@ -205,7 +204,7 @@ def _write_weights(dest: Path, ckpt: Checkpoint, plan: list[_Tensor], max_shard_
     shards: list[list[_Tensor]] = [[]]
     size = 0
     for t in plan:
-        nbytes = ckpt.dtype(t.source).itemsize * _numel(ckpt.shape(t.source))
+        nbytes = ckpt.dtype(t.source).itemsize * math.prod(ckpt.shape(t.source))
         if max_shard_bytes is not None and size and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -230,30 +229,3 @@ def _write_weights(dest: Path, ckpt: Checkpoint, plan: list[_Tensor], max_shard_
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (dest / INDEX_FILE).write_text(json.dumps(index, indent=2))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Training only the new blocks.
-
-
-def new_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """The blocks `qshard expand` added, from the marker it wrote into config.json."""
-    marker = getattr(model.config, MARKER, None)
-    if not isinstance(marker, dict) or not isinstance(marker.get("new_layers"), list):
-        raise QShardError(
-            f"train.train_type llama_pro: the model's config.json has no '{MARKER}' entry naming its new "
-            "blocks; expand the model first (qshard expand --model DIR --output NEW_DIR --new-blocks N)"
-        )
-    indices = marker["new_layers"]
-    if not indices or any(not isinstance(i, int) or not 0 <= i < len(blocks) for i in indices):
-        raise QShardError(
-            f"config.json: {MARKER}.new_layers {indices} does not name blocks of the model's {len(blocks)} blocks"
-        )
-    return [blocks[i] for i in indices]

@@ -1,26 +1,22 @@
-"""Architecture lookup: read a Hugging Face model directory, build its skeleton on the meta device,
-find its transformer blocks and their linear layers, and swap those for quantized / adapter modules.
+"""Architecture lookup: from a model's config.json (read by `hf_config`), build its skeleton on the meta
+device, find its transformer blocks and their linear layers, and swap those for quantized / adapter modules.
 
 Nothing here knows about parallelism or checkpoint files; `loading` fills the skeleton afterwards.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
-from huggingface_hub.errors import StrictDataclassError
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from qshard.adapters import DoRALinear, LoRALinear
@@ -32,64 +28,6 @@ from qshard.quant.experts import NF4Experts, fused_expert_params
 from qshard.quant.nf4 import can_quantize
 
 log = logging.getLogger("qshard")
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
-    """The model's config.json, with errors that name the directory and what is wrong."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise QShardError(f"model directory not found: {model_dir}")
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise QShardError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise QShardError(f"{config_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-    refuse_model_code(model_dir)
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise QShardError(f"{config_file}: no 'model_type' key, so the architecture cannot be identified")
-    model_type = raw["model_type"]
-    # transformers' own message for an unknown type is a paragraph of upgrade advice; one line says it.
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        raise QShardError(
-            f"{config_file}: unsupported model_type {model_type!r} (not an architecture transformers knows)"
-        )
-    try:
-        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-    except (ValueError, KeyError, TypeError, StrictDataclassError) as exc:
-        # Field and shape checks (e.g. hidden_size not a multiple of the heads) wrap the reason in __cause__.
-        reason = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ else exc
-        raise QShardError(f"{config_file}: invalid {model_type} configuration ({reason})") from None
-    if getattr(hf_config, "is_encoder_decoder", False):
-        raise QShardError(
-            f"{config_file}: {type(hf_config).__name__} (model_type '{model_type}') is encoder-decoder; "
-            "qshard trains decoder-only LMs"
-        )
-    return hf_config
-
-
-# The files in which a model directory can name Python modules of its own for transformers to import
-# (`auto_map`: custom config, model or tokenizer classes).
-CODE_NAMING_FILES = ("config.json", "tokenizer_config.json")
-
-
-def refuse_model_code(model_dir: str | Path) -> None:
-    """Refuse a model directory that names Python code of its own to run (`auto_map`), before anything
-    of it is loaded: qshard never imports a module that came with a model."""
-    for name in CODE_NAMING_FILES:
-        path = Path(model_dir) / name
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # absent or unreadable: whoever loads it reports that, and no code can be named in it
-        if isinstance(raw, dict) and "auto_map" in raw:
-            raise QShardError(
-                f"{path}: 'auto_map' names Python code shipped with the model; qshard does not run model-supplied "
-                "code (if transformers implements this architecture itself, delete the 'auto_map' entry)"
-            )
 
 
 def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
@@ -165,8 +103,6 @@ def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> S
         cast_parameters(model, master_dtype).requires_grad_(True)
         return SwapReport(adapted=[], quantized=[], kept=[])
     if train_type == "llama_pro":
-        from qshard.expand import new_blocks  # expand imports this module
-
         model.requires_grad_(False)
         for block in new_blocks(model, blocks):
             cast_parameters(block, master_dtype).requires_grad_(True)
@@ -201,6 +137,28 @@ def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> S
             if base is not linear:
                 _set_submodule(module, sub_name, base)
     return report
+
+
+# Written by `qshard expand` into the expanded config.json: which layers are new, for `train_type: llama_pro`
+# to train.
+LLAMA_PRO_MARKER = "qshard_llama_pro"
+
+
+def new_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks `qshard expand` added, from the marker it wrote into config.json."""
+    marker = getattr(model.config, LLAMA_PRO_MARKER, None)
+    if not isinstance(marker, dict) or not isinstance(marker.get("new_layers"), list):
+        raise QShardError(
+            f"train.train_type llama_pro: the model's config.json has no '{LLAMA_PRO_MARKER}' entry naming its "
+            "new blocks; expand the model first (qshard expand --model DIR --output NEW_DIR --new-blocks N)"
+        )
+    indices = marker["new_layers"]
+    if not indices or any(not isinstance(i, int) or not 0 <= i < len(blocks) for i in indices):
+        raise QShardError(
+            f"config.json: {LLAMA_PRO_MARKER}.new_layers {indices} does not name blocks of the model's "
+            f"{len(blocks)} blocks"
+        )
+    return [blocks[i] for i in indices]
 
 
 def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:

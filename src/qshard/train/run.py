@@ -17,13 +17,14 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.nn as nn
 
-from qshard import checkpoint, data, demo, export, models, outputs, rundir
+from qshard import checkpoint, data, demo, export, outputs, rundir
 from qshard import config as config_mod
 from qshard.build import build_model, describe, files_from_rank0, load_tokenizer, local_model_dir
 from qshard.checkpoint import CheckpointManager
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import GlobalBatchSampler
 from qshard.errors import QShardError
+from qshard.hf_config import load_hf_config
 from qshard.parallel.distributed import (
     DistEnv,
     collective_errors,
@@ -244,7 +245,7 @@ def _tokenizer(cfg: Config, model_dir: Path | None):
                 f"tokenizer's {len(tokenizer)}; give model.path a directory with a tokenizer that fits"
             )
         return tokenizer
-    models.load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
+    load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
     return load_tokenizer(model_dir)
 
 
