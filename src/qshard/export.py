@@ -17,7 +17,7 @@ from qshard import outputs
 from qshard.adapters import DoRALinear, LoRALinear
 from qshard.adapters.dora import dora_merge
 from qshard.config import LoRAConfig
-from qshard.loading import join_name, module_sources
+from qshard.loading import WEIGHT_SUFFIXES, join_name, module_sources
 from qshard.quant import HQQLinear, NF4Experts, NF4Linear
 
 # PEFT stores a causal LM's adapter under the PeftModel -> LoraModel -> original model path.
@@ -146,10 +146,6 @@ def base_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
     return model_weights(model, dtype, merge_adapters=False)
 
 
-# Files of a model directory that describe it rather than hold its weights: copied into a merged export.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-
-
 def _retype_config(path: Path, dtype: torch.dtype) -> None:
     """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared."""
     config = json.loads(path.read_text())
@@ -187,7 +183,7 @@ def _copy_model_files(base_dir: Path, dest: Path) -> None:
     """The files that describe the model (config, tokenizer, generation config), not its weights, nor the
     marker of an export it may itself be: ownership is never copied."""
     for item in base_dir.iterdir():
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != outputs.MARKER:
+        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name != outputs.MARKER:
             shutil.copy2(item, dest / item.name)
 
 
