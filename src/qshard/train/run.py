@@ -5,7 +5,6 @@ and summary.json (written last) marks a finished run."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import signal
@@ -19,8 +18,8 @@ import torch.nn as nn
 
 from qshard import checkpoint, data, demo, export, models, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, describe, files_from_rank0, load_tokenizer, local_model_dir
-from qshard.checkpoint import CheckpointManager
+from qshard.build import build_model, describe, load_tokenizer, local_model_dir
+from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, base_model_name
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import GlobalBatchSampler
 from qshard.errors import QShardError
@@ -137,7 +136,7 @@ def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
     resume_state, fingerprint = None, None
     if resume is not None:  # refuse a foreign checkpoint before the model is built and loaded
         resume_state = checkpoint.read_state(resume)
-        fingerprint = _base_fingerprint(cfg, env)
+        fingerprint = base_fingerprint_all_ranks(cfg, env)
         checkpoint.check_compatible(resume, resume_state, cfg, fingerprint)
     continuing = resume is not None and _continues(cfg, out)
     finished = from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
@@ -151,7 +150,7 @@ def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
                           "choose another directory or pass --overwrite")
     kept_metrics = _kept_metrics(out, resume_state["step"], env) if continuing else []
     model, report = build_model(cfg, env, model_dir)
-    fingerprint = fingerprint or _base_fingerprint(cfg, env)
+    fingerprint = fingerprint or base_fingerprint_all_ranks(cfg, env)
     if env.is_main:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
         log.info("data: %d training and %d held-out examples", len(train_examples), len(eval_examples))
@@ -246,27 +245,6 @@ def _tokenizer(cfg: Config, model_dir: Path | None):
         return tokenizer
     models.load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
     return load_tokenizer(model_dir)
-
-
-def base_fingerprint(cfg: Config) -> str:
-    """What identifies the frozen base, for checkpoints: its files, or for a named shape without a
-    directory, the shape and the seed its random weights come from."""
-    if cfg.model.path is None:
-        return hashlib.sha256(f"shape {cfg.model.shape} seed {cfg.train.seed}".encode()).hexdigest()[:16]
-    return checkpoint.base_fingerprint(cfg.model.path)
-
-
-def _base_fingerprint(cfg: Config, env: DistEnv) -> str:
-    if files_from_rank0(cfg, env):  # only rank 0 can read the files
-        return from_rank0(lambda: base_fingerprint(cfg), env.is_main)
-    return base_fingerprint(cfg)
-
-
-def base_model_name(cfg: Config) -> str:
-    """The base named in adapter_config.json and checkpoints: the model directory, or the random shape."""
-    if cfg.model.path is None:
-        return f"qshard random {cfg.model.shape} (seed {cfg.train.seed})"
-    return str(Path(cfg.model.path).resolve())
 
 
 def _warn_if_data_order_changes(state: dict, trainer: Trainer, env: DistEnv) -> None:
