@@ -206,7 +206,7 @@ def quant_sharding(cfg: Config) -> str:
     # FSDP2 by default on every torch (its gathers are grouped per block and prefetched). DTensor buffers only
     # when asked for: gathered layer by layer, and under `parallel.cpu_offload` kept in pinned host memory by
     # parallel/offload.py (faster than FSDP2's offload on one GPU, slower on two: docs/benchmarks.md).
-    return "dtensor" if cfg.parallel.quant_sharding == "dtensor" else "fsdp"
+    return cfg.parallel.quant_sharding
 
 
 def storage_for_units(model: nn.Module, blocks: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh) -> None:
