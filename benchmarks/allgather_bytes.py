@@ -57,7 +57,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, overrides
     for run in args.runs.split(","):
         train_type, _, how = run.partition(":")
         cfg = config_mod.resolve(None, [
-            *source, ("train.train_type", train_type), ("parallel.quant_sharding", how or "auto"),
+            *source, ("train.train_type", train_type), ("parallel.quant_sharding", how or "fsdp"),
             ("train.micro_batch_size", str(args.batch)), ("train.grad_accum", "1"),
             ("data.max_length", str(args.seq)), ("lora.rank", str(args.lora_rank)), *overrides,
         ])

@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (one process each, through torch's launcher)")
     p.add_argument("--no-offload", action="store_true", help="parallel.cpu_offload false: all of it on the GPUs")
-    p.add_argument("--quant-sharding", default="dtensor", choices=["auto", "fsdp", "dtensor"])
+    p.add_argument("--quant-sharding", default="dtensor", choices=["fsdp", "dtensor"])
     p.add_argument("--qshard-args", default="", help="extra options for qshard train (e.g. '--parallel.compile true')")
     p.add_argument("--dry-run", action="store_true", help="llama-tiny, seq 64, 3 steps: checks the script anywhere")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank, started by the launcher

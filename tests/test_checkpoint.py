@@ -41,7 +41,7 @@ def _args(model_dir, out, *extra):
     return cli(
         "train", "--model", str(model_dir), "--data", str(DEMO / "train.jsonl"), "--eval-data",
         str(EVAL_DATA), "--output-dir", str(out), "--max-length", "48", "--batch-size", "2",
-        "--lr", "1e-2", "--max-steps", str(STEPS), "--model.dtype", "float32", "--lora.dropout", "0.1",
+        "--lr", "1e-2", "--max-steps", str(STEPS), "--train.precision", "fp32", "--lora.dropout", "0.1",
         *extra,
     )
 
@@ -197,7 +197,7 @@ def test_merged_weights_match_trained_model_in_process(tiny_models, tmp_path, di
 
 def _fp32_config(model_dir, tmp_path, train_type, steps, lr) -> Config:
     cfg = Config()
-    cfg.model.path, cfg.model.dtype, cfg.train.train_type = str(model_dir), "float32", train_type
+    cfg.model.path, cfg.train.precision, cfg.train.train_type = str(model_dir), "fp32", train_type
     cfg.data.path, cfg.data.eval_path, cfg.data.max_length = str(DEMO / "train.jsonl"), str(EVAL_DATA), 48
     cfg.train.max_steps, cfg.optim.lr, cfg.output.dir = steps, lr, str(tmp_path / "run")
     return cfg.validate()

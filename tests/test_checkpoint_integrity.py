@@ -33,7 +33,7 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d qshard: ")
 def _train(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return ["train", "--model", str(model_dir), "--data", str(DEMO / "train.jsonl"), "--data.eval_fraction", "0",
             "--output-dir", str(out), "--max-length", "48", "--batch-size", "2", "--lr", "1e-2",
-            "--model.dtype", "float32", "--max-steps", "4", "--save-every", "2", *extra]
+            "--train.precision", "fp32", "--max-steps", "4", "--save-every", "2", *extra]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import socket
 import pytest
 from conftest import spawn
 
-RUNS = [("lora", "auto"), ("qlora", "fsdp"), ("qlora", "dtensor")]
+RUNS = [("lora", "fsdp"), ("qlora", "fsdp"), ("qlora", "dtensor")]
 LAYERS, LINEARS = 2, 7  # tiny_models' llama: 2 blocks of q, k, v, o, gate, up, down
 # NF4 per weight: 4 bits of code plus one fp32 absmax per 64-weight block, against bf16's 16 bits.
 NF4_OVER_BF16 = (4 + 32 / 64) / 16  # 0.28125
@@ -54,7 +54,7 @@ def test_nf4_block_weights_are_gathered_as_4bit_codes_at_a_quarter_of_bf16(measu
 
     assert measured[0] == measured[1]  # both ranks issue the same collectives (and log the same loss)
     res = measured[0]
-    lora, qlora = res["lora:auto"], res["qlora:fsdp"]
+    lora, qlora = res["lora:fsdp"], res["qlora:fsdp"]
     for r in res.values():
         # Every all-gathered byte traced to a tensor, and the traced parts add up to the measured buffers.
         assert part_bytes(r, cat="<unattributed>") == 0
@@ -94,7 +94,7 @@ def test_dtensor_sharding_gathers_the_same_integers_on_every_use(measured):
     from comm_stats import part_bytes
 
     res = measured[0]
-    fsdp, dtensor, lora = res["qlora:fsdp"], res["qlora:dtensor"], res["lora:auto"]
+    fsdp, dtensor, lora = res["qlora:fsdp"], res["qlora:dtensor"], res["lora:fsdp"]
     assert dtensor["loss"] == pytest.approx(fsdp["loss"], rel=1e-6)  # the same step, sharded another way
     # Gathered per layer on use (forward, recomputation, backward) rather than per block and kept: more
     # often than FSDP2 does, so more bytes, but each gather is 4.5-bit storage, still under bf16's.

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal, Union
 
 import pytest
+import yaml
 
 from qshard import cli
 from qshard import config as config_mod
@@ -173,7 +174,7 @@ def test_later_flags_win():
         (["--train.seed", "-1"], "train.seed", -1),
         (["--quant.blocksize", "128"], "quant.blocksize", 128),
         (["--parallel.activation_checkpointing", "false"], "parallel.activation_checkpointing", False),
-        (["--parallel.reshard_after_forward=False"], "parallel.reshard_after_forward", False),
+        (["--checkpoint.async_save=False"], "checkpoint.async_save", False),
         (["--output.overwrite", "true"], "output.overwrite", True),
         (["--lora.target_modules", "q_proj,v_proj"], "lora.target_modules", ["q_proj", "v_proj"]),
         (["--lora.target_modules", "q_proj, v_proj,"], "lora.target_modules", ["q_proj", "v_proj"]),
@@ -250,7 +251,7 @@ def error_of(*argv: str) -> str:
         (["--lora.target_modules", "{a: 1}"], ["lora.target_modules must be a list"]),
         # choices
         (["--train-type", "qlorax"], ["train.train_type must be one of qlora, lora, full", "'qlorax'"]),
-        (["--model.dtype", "float16"], ["model.dtype must be one of bfloat16, float32"]),
+        (["--train.precision", "float32"], ["train.precision must be one of fp32, bf16, bf16_mixed, fp16_mixed"]),
         (["--quant.blocksize", "100"], ["quant.blocksize must be one of 64, 128, 256"]),
         (["--quant.blocksize", "64.0"], ["quant.blocksize must be one of 64, 128, 256"]),
         (["--optim.schedule", "step"], ["optim.schedule must be one of constant, linear, cosine"]),
@@ -354,8 +355,8 @@ def test_demo_preset_applies_without_model_and_data():
     assert cfg.optim.lr == DEMO_PRESET["optim"]["lr"] and cfg.lora.rank == DEMO_PRESET["lora"]["rank"]
     assert cfg.data.max_length == DEMO_PRESET["data"]["max_length"]
     assert cfg.train.precision == "fp32"
-    # model.dtype, the older spelling of the precision, is the user's choice too: no contradiction raised.
-    assert parse("--model.dtype", "bfloat16").train.precision is None
+    # A precision given is the user's choice: the preset's fp32 never replaces it.
+    assert parse("--train.precision", "bf16_mixed").train.precision == "bf16_mixed"
 
 
 @pytest.mark.parametrize(
@@ -395,7 +396,7 @@ def test_demo_preset_never_overrides_user_values(tmp_path):
          "--output-dir", "2024-06-01", "--train-type", "full", "--quant.blocksize", "256", "--max-steps", "9",
          "--parallel.activation_checkpointing", "false", "--data.eval_path", "e.jsonl",
          "--lora.dropout", "0.05",
-         "--model.dtype", "float32", "--optim.schedule", "constant", "--output.overwrite", "true"],
+         "--train.precision", "fp32", "--optim.schedule", "constant", "--output.overwrite", "true"],
     ],
 )
 def test_save_round_trips(tmp_path, argv):
@@ -404,6 +405,72 @@ def test_save_round_trips(tmp_path, argv):
     config_mod.save(cfg, path)
     assert resolve(str(path), []) == cfg
     assert parse("--config", str(path)) == cfg
+
+
+# ----------------------------------------------------------------------------------------------- removed options
+
+PRECISION_INSTEAD = "model.dtype: removed; use train.precision (fp32 for float32, bf16_mixed for bfloat16)"
+SHARDING_INSTEAD = "parallel.reshard_after_forward: removed; use parallel.sharding (grad_op for false)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model.dtype", "float32"], PRECISION_INSTEAD),
+        (["--model.dtype", "float32", "--train.precision", "fp32"], PRECISION_INSTEAD),
+        (["--parallel.reshard_after_forward", "false"], SHARDING_INSTEAD),
+        (["--parallel.quant_sharding", "auto"], "parallel.quant_sharding: auto is removed; use fsdp (what it meant)"),
+    ],
+)
+def test_removed_options_on_the_command_line_say_what_replaced_them(argv, message):
+    assert error_of(*PATHS, *argv) == f"command line: {message}"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("model: {dtype: bfloat16}\ntrain: {precision: fp32}\n", PRECISION_INSTEAD),
+        ("model: {dtype: float16}\n", PRECISION_INSTEAD),
+        ("parallel: {reshard_after_forward: true, sharding: grad_op}\n", SHARDING_INSTEAD),
+        ("parallel: {reshard_after_forward: false, sharding: hybrid}\n", SHARDING_INSTEAD),
+        ("parallel: {reshard_after_forward: 0, sharding: grad_op}\n", SHARDING_INSTEAD),
+    ],
+)
+def test_removed_options_in_a_yaml_file_that_change_the_run_are_refused(tmp_path, text, message):
+    path = write(tmp_path, text)
+    assert error_of(*PATHS, "--config", str(path)) == f"{path}: {message}"
+
+
+def test_an_earlier_runs_config_yaml_still_resolves(tmp_path, caplog):
+    """config.yaml as an earlier qshard saved it: the removed options empty and quant_sharding auto (its
+    default then), set where their replacements are left at their defaults (read as those, with a warning),
+    or set to what the options that replaced them say."""
+    saved = Config().to_dict()
+    saved["model"].update(path="m", dtype=None)
+    saved["data"]["path"] = "d.jsonl"
+    saved["parallel"].update(reshard_after_forward=None, quant_sharding="auto")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved, sort_keys=False))
+    plain = parse(*PATHS)
+    assert plain.parallel.quant_sharding == "fsdp"
+    assert resolve(str(path), []) == plain
+    assert parse("--config", str(path), "--parallel.quant_sharding", "dtensor").parallel.quant_sharding == "dtensor"
+    equivalent = {
+        "model: {dtype: float32}\ntrain: {precision: fp32}\n": ("train.precision", "fp32"),
+        "model: {dtype: float32}\n": ("train.precision", "fp32"),  # read as its replacement
+        "model: {dtype: bfloat16}\n": ("train.precision", "bf16_mixed"),
+        "model: {dtype: bfloat16}\ntrain: {precision: bf16}\n": ("train.precision", "bf16"),
+        "parallel: {reshard_after_forward: false}\n": ("parallel.sharding", "grad_op"),
+        "parallel: {reshard_after_forward: false, sharding: full}\n": ("parallel.sharding", "grad_op"),
+        "parallel: {reshard_after_forward: false, sharding: grad_op}\n": ("parallel.sharding", "grad_op"),
+        "parallel: {reshard_after_forward: true, sharding: hybrid}\n": ("parallel.sharding", "hybrid"),
+    }
+    for text, (dotted, value) in equivalent.items():
+        assert get(parse(*PATHS, "--config", str(write(tmp_path, text))), dotted) == value, text
+    # The demo computes in what model.dtype asked for, as it did.
+    assert parse("--config", str(write(tmp_path, "model: {dtype: float32}\n"))).train.precision == "fp32"
+    assert parse("--config", str(write(tmp_path, "model: {dtype: bfloat16}\n"))).train.precision == "bf16_mixed"
+    assert "model.dtype is removed; read float32 as train.precision: fp32 (write that instead)" in caplog.text
 
 
 @pytest.mark.parametrize(

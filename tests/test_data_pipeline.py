@@ -175,7 +175,7 @@ def test_training_with_packing_runs(tiny_models, tmp_path, dist_env, caplog):
     path = write_jsonl(tmp_path / "a.jsonl", records(64))
     cfg = config(tmp_path, validate=False, path=str(path), packing=True, eval_fraction=0.1, max_length=96)
     cfg.model.path = str(tiny_models("llama"))
-    cfg.model.dtype = "float32"
+    cfg.train.precision = "fp32"
     cfg.train.max_steps = 4  # 15 packed sequences, 3 steps an epoch: the last step is in epoch 1
     cfg.train.micro_batch_size = 4
     cfg.output.dir = str(tmp_path / "run")

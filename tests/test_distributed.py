@@ -17,12 +17,12 @@ def _losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(tmp_path, tiny_models, name, nproc, grad_accum, quant_sharding="auto"):
+def _train(tmp_path, tiny_models, name, nproc, grad_accum, quant_sharding="fsdp"):
     out = tmp_path / name
     args = cli(
         "train", "--model", str(tiny_models("llama")), "--output-dir", str(out),
         "--nproc", str(nproc), "--grad-accum", str(grad_accum), "--batch-size", "2",
-        "--max-steps", "4", "--lr", "1e-2", "--model.dtype", "float32", "--data.max_length", "48",
+        "--max-steps", "4", "--lr", "1e-2", "--train.precision", "fp32", "--data.max_length", "48",
         "--train.eval_every", "0", "--optim.warmup_steps", "0", "--parallel.quant_sharding", quant_sharding,
     )
     if nproc == 1:

@@ -127,7 +127,7 @@ def test_magnitude_is_the_norm_of_its_own_rows():
 
 def _config(model_dir, out, train_type, **quant) -> Config:
     cfg = Config()
-    cfg.model.path, cfg.model.dtype, cfg.train.train_type = str(model_dir), "float32", train_type
+    cfg.model.path, cfg.train.precision, cfg.train.train_type = str(model_dir), "fp32", train_type
     cfg.data.path, cfg.data.eval_path, cfg.data.max_length = str(DEMO / "train.jsonl"), str(DEMO / "eval.jsonl"), 48
     cfg.train.max_steps, cfg.train.micro_batch_size, cfg.optim.lr = 4, 4, 1e-2
     cfg.output.dir = str(out)

@@ -57,7 +57,7 @@ def _loss_and_grads(model, loss_fn, batch):
 @pytest.mark.parametrize(("model_type", "train_type"), [("llama", "qlora"), ("gemma2", "full"), ("qwen2", "full")])
 def test_chunked_loss_equals_full_logits(dist_env, tiny_models, model_type, train_type):
     cfg = Config()
-    cfg.model.dtype = "float32"
+    cfg.train.precision = "fp32"
     cfg.train.train_type = train_type
     model, _ = build_model(cfg.validate(), dist_env, tiny_models(model_type))
     chunked = build_loss(model, chunk_tokens=7)  # several chunks and a short last one
@@ -85,7 +85,7 @@ def _run_config(model_dir, out, **parallel) -> Config:
     cfg.data.path = str(resources.files("qshard") / "demo_data" / "train.jsonl")
     cfg.data.eval_fraction = 0.0
     cfg.data.max_length = 48
-    cfg.model.dtype = "float32"
+    cfg.train.precision = "fp32"
     cfg.train.max_steps = 3
     cfg.train.micro_batch_size = 2
     cfg.optim.lr = 1e-2

@@ -42,7 +42,7 @@ class Run:
         model, data = inputs
         self.out, self.stderr_file = out, out.with_name(out.name + ".stderr")
         args = cli("train", "--model", str(model), "--data", str(data), "--output-dir", str(out), "--nproc", "2",
-                   "--batch-size", "1", "--max-steps", "100000", "--max-length", "32", "--model.dtype", "float32",
+                   "--batch-size", "1", "--max-steps", "100000", "--max-length", "32", "--train.precision", "fp32",
                    "--data.eval_fraction", "0", *extra)
         # stderr to a file: ranks left running (the bug under test) would hold a pipe open.
         with self.stderr_file.open("w") as stderr:

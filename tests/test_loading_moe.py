@@ -77,7 +77,7 @@ def test_per_expert_layout_loads_like_the_fused_one(family, tiny_models, tmp_pat
     torch.testing.assert_close(hf_logits(per_expert), hf_logits(fused), rtol=0, atol=0)
 
     cfg = Config()
-    cfg.model.dtype = "float32"
+    cfg.train.precision = "fp32"
     reference, loaded = (build_model(cfg, dist_env, d)[0] for d in (fused, per_expert))
     expected, state = _nf4_state(reference), _nf4_state(loaded)
     assert state.keys() == expected.keys()

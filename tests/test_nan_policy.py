@@ -34,7 +34,7 @@ HUGE_LR = "1e30"
 
 def run(capsys, model_dir: Path, out: Path, *extra: str) -> tuple[int, str]:
     args = ["train", "--model", str(model_dir), "--data", str(DEMO_TRAIN), "--output-dir", str(out),
-            "--max-length", "32", "--model.dtype", "float32", "--data.eval_fraction", "0", *extra]
+            "--max-length", "32", "--train.precision", "fp32", "--data.eval_fraction", "0", *extra]
     capsys.readouterr()
     code = cli.main(args)
     return code, capsys.readouterr().err
@@ -215,7 +215,7 @@ def test_nan_on_one_rank_is_skipped_on_every_rank(tiny_models, tmp_path):
     (inject / "sitecustomize.py").write_text(NAN_ON_RANK_1_AT_STEP_2)
     out = tmp_path / "out"
     args = ["train", "--model", str(tiny_models("llama")), "--data", str(DEMO_TRAIN), "--output-dir", str(out),
-            "--max-length", "32", "--model.dtype", "float32", "--data.eval_fraction", "0", "--max-steps", "3",
+            "--max-length", "32", "--train.precision", "fp32", "--data.eval_fraction", "0", "--max-steps", "3",
             "--nproc", "2", "--train.nan_policy", "skip_step", "--save-every", "1", "--checkpoint.keep_last", "3"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=os.pathsep.join([str(inject), SRC]), OMP_NUM_THREADS="1")

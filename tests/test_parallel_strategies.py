@@ -153,7 +153,7 @@ def test_strategy_matches_world_size_1_and_its_checkpoint_loads(baseline, tmp_pa
 @pytest.mark.parametrize(
     ("tree", "message"),
     [
-        ({"parallel": {"sharding": "grad_op", "reshard_after_forward": True}}, "contradicts parallel.sharding grad_op"),
+        ({"parallel": {"sharding": "grad_op", "reshard_after_forward": True}}, "reshard_after_forward: removed"),
         ({"parallel": {"replicate_degree": 2}}, "only hybrid sharding has replicas"),
         ({"parallel": {"sharding": "hybrid", "replicate_degree": 3, "nproc": 4}}, "does not divide the 4 processes"),
         ({"parallel": {"ac_every": 0}}, "parallel.ac_every must be > 0"),
@@ -184,12 +184,13 @@ def test_replicate_degree_per_strategy(monkeypatch):
         degree(4, sharding="hybrid", replicate_degree=3)
 
 
-def test_legacy_reshard_after_forward_false_is_grad_op():
-    from qshard.config import reshard_after_forward
+def test_only_grad_op_keeps_gathered_weights_after_forward():
+    from qshard.parallel.fsdp import reshard_after_forward
 
-    assert reshard_after_forward(Config()) is True
-    assert reshard_after_forward(from_dict({"parallel": {"reshard_after_forward": False}}).validate()) is False
-    assert reshard_after_forward(from_dict({"parallel": {"sharding": "grad_op"}}).validate()) is False
+    assert reshard_after_forward(Config().parallel) is True
+    with pytest.raises(QShardError, match="use parallel.sharding"):  # its older spelling
+        from_dict({"parallel": {"reshard_after_forward": False}})
+    assert reshard_after_forward(from_dict({"parallel": {"sharding": "grad_op"}}).validate().parallel) is False
 
 
 def test_activation_checkpointing_choice_of_blocks_and_reentrant_refusal():

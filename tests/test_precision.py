@@ -165,16 +165,15 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(world_size_2):
 # ---------------------------------------------------------------------------------------------------- config
 
 
-def test_model_dtype_is_the_older_spelling_of_precision():
+def test_precision_is_train_precision_with_bf16_mixed_by_default():
     def mode(tree):
         return precision(from_dict(tree).validate()).name
 
-    assert mode({"model": {"dtype": "float32"}}) == "fp32"
-    assert mode({"model": {"dtype": "bfloat16"}}) == "bf16_mixed"
+    assert mode({"train": {"precision": "fp32"}}) == "fp32"
     assert mode({}) == "bf16_mixed"
-    assert mode({"model": {"dtype": "bfloat16"}, "train": {"precision": "bf16"}}) == "bf16"
+    assert mode({"train": {"precision": "bf16"}}) == "bf16"
     assert mode({"train": {"precision": "fp16_mixed"}}) == "fp16_mixed"
-    with pytest.raises(QShardError, match="model.dtype: float32 contradicts train.precision bf16_mixed"):
+    with pytest.raises(QShardError, match="model.dtype: removed; use train.precision"):  # its older spelling
         from_dict({"model": {"dtype": "float32"}, "train": {"precision": "bf16_mixed"}}).validate()
 
 

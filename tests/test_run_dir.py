@@ -39,7 +39,7 @@ def inputs(tmp_path_factory, tiny_models) -> tuple[Path, Path]:
 def _args(inputs, out: Path, *extra: str) -> list[str]:
     model, eval_data = inputs
     return ["train", "--model", str(model), "--data", str(DEMO / "train.jsonl"), "--eval-data", str(eval_data),
-            "--output-dir", str(out), "--max-length", "48", "--batch-size", "2", "--model.dtype", "float32",
+            "--output-dir", str(out), "--max-length", "48", "--batch-size", "2", "--train.precision", "fp32",
             "--max-steps", "4", "--save-every", "2", *extra]
 
 

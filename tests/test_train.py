@@ -15,7 +15,7 @@ from qshard.config import Config
 from qshard.train.run import train
 
 
-def _config(model_dir, out, train_type="qlora", steps=6, dtype="bfloat16") -> Config:
+def _config(model_dir, out, train_type="qlora", steps=6, precision="bf16_mixed") -> Config:
     from importlib import resources
 
     cfg = Config()
@@ -24,7 +24,7 @@ def _config(model_dir, out, train_type="qlora", steps=6, dtype="bfloat16") -> Co
     cfg.data.eval_path = str(resources.files("qshard") / "demo_data" / "eval.jsonl")
     cfg.data.max_length = 48
     cfg.train.train_type = train_type
-    cfg.model.dtype = dtype
+    cfg.train.precision = precision
     cfg.train.max_steps = steps
     cfg.train.micro_batch_size = 4
     cfg.optim.lr = 1e-2
@@ -72,7 +72,7 @@ def _check_roundtrip(result, model_dir, atol, dtype=torch.bfloat16):
 def test_qlora_trains_and_peft_loads_it(model_type, tiny_models, tmp_path, dist_env):
     """In fp32 qshard's trained model and transformers + PEFT on the same (dequantized) base agree tightly."""
     model_dir = tiny_models(model_type)
-    result = train(_config(model_dir, tmp_path / "run", dtype="float32"), dist_env)
+    result = train(_config(model_dir, tmp_path / "run", precision="fp32"), dist_env)
     assert result.summary["eval_loss_end"] < result.summary["eval_loss_start"]
     records = [json.loads(x) for x in (result.out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 7))

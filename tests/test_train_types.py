@@ -34,7 +34,7 @@ def options(tmp_path_factory, tiny_models):
         ("data.path", str(DEMO / "train.jsonl")),
         ("data.eval_path", str(eval_file)),
         ("data.max_length", "32"),
-        ("model.dtype", "float32"),
+        ("train.precision", "fp32"),
         ("train.micro_batch_size", "2"),
         ("train.max_steps", "3"),
         ("optim.lr", "1e-2"),

@@ -46,9 +46,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from qshard import checkpoint_files as files
 from qshard import config as config_mod
+from qshard.build import files_from_rank0
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.loading import Checkpoint
+from qshard.parallel.distributed import DistEnv, from_rank0
 
 log = logging.getLogger("qshard")
 
@@ -62,7 +64,29 @@ SHAPE_KEYS = ("train.train_type", "lora.rank", "lora.target_modules", "quant.met
 _SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 
 
-def base_fingerprint(model_dir: str | Path) -> str:
+def base_model_name(cfg: Config) -> str:
+    """The base named in adapter_config.json and checkpoints: the model directory, or the random shape."""
+    if cfg.model.path is None:
+        return f"qshard random {cfg.model.shape} (seed {cfg.train.seed})"
+    return str(Path(cfg.model.path).resolve())
+
+
+def base_fingerprint(cfg: Config) -> str:
+    """What identifies the frozen base, for checkpoints: its files, or for a named shape without a
+    directory, the shape and the seed its random weights come from."""
+    if cfg.model.path is None:
+        return hashlib.sha256(f"shape {cfg.model.shape} seed {cfg.train.seed}".encode()).hexdigest()[:16]
+    return _files_fingerprint(cfg.model.path)
+
+
+def base_fingerprint_all_ranks(cfg: Config, env: DistEnv) -> str:
+    """`base_fingerprint` on every rank of a run: under broadcast loading only rank 0 can read the files."""
+    if files_from_rank0(cfg, env):
+        return from_rank0(lambda: base_fingerprint(cfg), env.is_main)
+    return base_fingerprint(cfg)
+
+
+def _files_fingerprint(model_dir: str | Path) -> str:
     """Identity of a base checkpoint: its config.json, every tensor's name, dtype and shape (from the file
     headers, which `Checkpoint` validates), and the first and last MiB of each weight file, so that a
     fine-tune of the same architecture differs too. Reads a few MiB, whatever the model's size."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import types
 import typing
@@ -15,6 +16,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from qshard.errors import QShardError
+
+log = logging.getLogger("qshard")
 
 TrainType = Literal["qlora", "lora", "full", "llama_pro", "dora", "qdora"]
 # Train types whose frozen block linears are quantized (quant.method), those whose adapters are DoRA, and
@@ -36,9 +39,6 @@ class ModelConfig:
     path: str | None = None
     # Class name of the transformer block; default: the model's `_no_split_modules`.
     block_class: str | None = None
-    # Older spelling of train.precision: float32 means fp32, bfloat16 means bf16_mixed. Empty: follows
-    # train.precision (given both, they must agree).
-    dtype: Literal["bfloat16", "float32"] | None = None
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     # Where the frozen weights come from: the checkpoint in `path`, or random values (benchmarks, shapes
     # with no checkpoint), generated and quantized tensor by tensor.
@@ -148,8 +148,8 @@ class OptimConfig:
 class TrainConfig:
     train_type: TrainType = "qlora"
     # fp32 | bf16 (params and optimizer state in bf16) | bf16_mixed (fp32 master weights and optimizer
-    # state, bf16 compute) | fp16_mixed (the same with fp16 compute and loss scaling). Empty: from
-    # model.dtype, else bf16_mixed. See qshard/precision.py.
+    # state, bf16 compute) | fp16_mixed (the same with fp16 compute and loss scaling). Empty: bf16_mixed.
+    # See qshard/precision.py.
     precision: Precision | None = None
     seed: int = 42
     # Optimizer steps to run; empty means `epochs` passes over the data.
@@ -196,8 +196,6 @@ class ParallelConfig:
     sharding: Sharding = "full"
     # hybrid only: how many replicas; 0 means one per node (WORLD_SIZE / LOCAL_WORLD_SIZE).
     replicate_degree: int = 0
-    # Older spelling of sharding: false means grad_op. Empty: follows parallel.sharding.
-    reshard_after_forward: bool | None = None
     # Keep params, grads and optimizer state on the CPU and step the optimizer there (FSDP2 CPUOffloadPolicy).
     cpu_offload: bool = False
     # Move the activations saved for backward to (pinned) CPU memory during forward, back in backward.
@@ -205,8 +203,8 @@ class ParallelConfig:
     # Who shards the NF4/HQQ codes and scales: FSDP2 itself (grouped, prefetched all-gathers; as integers, or
     # as bf16/fp32 carriers of the bytes where its FSDP2 refuses integers, checked byte for byte at build
     # time), or DTensor buffers gathered per layer on use (what cpu_offload keeps in host memory a block at a
-    # time). auto: FSDP2.
-    quant_sharding: Literal["auto", "fsdp", "dtensor"] = "auto"
+    # time).
+    quant_sharding: Literal["fsdp", "dtensor"] = "fsdp"
     # Compile each transformer block's forward with torch.compile (fewer, fused kernels; the first steps
     # pay the compilation). The backend is for tests and debugging (aot_eager runs without a C compiler).
     compile: bool = False
@@ -285,21 +283,10 @@ class Config:
             _positive(f"parallel.{name}", getattr(self.parallel, name))
             _in_range(f"parallel.{name}", getattr(self.parallel, name), 0.0, MAX_TIMEOUT_S)
         self._validate_quant()
-        self._validate_precision()
         self._validate_parallel()
         _non_negative("checkpoint.every_steps", self.checkpoint.every_steps)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         return self
-
-    def _validate_precision(self) -> None:
-        """model.dtype (the older option) must name train.precision's compute dtype (`precision_name` reads
-        whichever is set; validation leaves the tree as given)."""
-        mode, dtype = self.train.precision, self.model.dtype
-        if mode is not None and dtype is not None and COMPUTE_DTYPE[mode] != dtype:
-            raise QShardError(
-                f"model.dtype: {dtype} contradicts train.precision {mode} (which computes in "
-                f"{COMPUTE_DTYPE[mode]}); leave model.dtype empty, train.precision decides it"
-            )
 
     def _validate_quant(self) -> None:
         q, train_type = self.quant, self.train.train_type
@@ -336,11 +323,6 @@ class Config:
             raise QShardError(
                 f"parallel.replicate_degree: only hybrid sharding has replicas (parallel.sharding is {p.sharding})"
             )
-        if p.sharding == "grad_op" and p.reshard_after_forward:
-            raise QShardError(
-                "parallel.reshard_after_forward: true contradicts parallel.sharding grad_op (which keeps "
-                "gathered weights until backward); leave reshard_after_forward empty"
-            )
         if p.sharding == "hybrid" and p.nproc > 1 and p.replicate_degree and p.nproc % p.replicate_degree:
             raise QShardError(
                 f"parallel.replicate_degree: {p.replicate_degree} does not divide the {p.nproc} processes "
@@ -348,21 +330,83 @@ class Config:
             )
 
 
-# train.precision -> the dtype of compute and of frozen unquantized weights (model.dtype's meaning).
-COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "bf16_mixed": "bfloat16", "fp16_mixed": "float16"}
-
-
 def precision_name(cfg: Config) -> str:
-    """train.precision, or for configs that set only the older model.dtype: float32 -> fp32, else bf16_mixed."""
-    if cfg.train.precision is not None:
-        return cfg.train.precision
-    return "fp32" if cfg.model.dtype == "float32" else "bf16_mixed"
+    """train.precision; empty means bf16_mixed."""
+    return cfg.train.precision or "bf16_mixed"
 
 
-def reshard_after_forward(cfg: Config) -> bool:
-    """Whether blocks free their gathered weights after forward: not under grad_op (ZeRO-2), nor where the
-    older parallel.reshard_after_forward: false asks for the same."""
-    return cfg.parallel.sharding != "grad_op" and cfg.parallel.reshard_after_forward is not False
+# ---------------------------------------------------------------------------------------------------------------
+# Removed options (one name per option). The config.yaml saved with an earlier run still holds them, mostly
+# empty: in a YAML file an empty value is dropped, a set one is read as the option that replaced it where that
+# option is left at its default (with a warning), and is otherwise dropped only if it means what the resolved
+# options say. Set anywhere else, they are refused with a line that names the replacement.
+
+# train.precision -> the compute dtype, which the removed model.dtype named.
+_COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "bf16_mixed": "bfloat16", "fp16_mixed": "float16"}
+
+
+@dataclass(frozen=True)
+class _Removed:
+    hint: str  # what to write instead
+    replacement: str  # the option that replaced it
+    default: Any  # that option's default
+    values: dict  # a removed value -> the replacement's value that means the same
+    meaning: Any  # Config -> the removed option's value that a resolved configuration implies
+
+
+REMOVED_OPTIONS = {
+    "model.dtype": _Removed("use train.precision (fp32 for float32, bf16_mixed for bfloat16)", "train.precision",
+                            None, {"float32": "fp32", "bfloat16": "bf16_mixed"},
+                            lambda cfg: _COMPUTE_DTYPE[precision_name(cfg)]),
+    "parallel.reshard_after_forward": _Removed("use parallel.sharding (grad_op for false)", "parallel.sharding",
+                                               "full", {False: "grad_op"},
+                                               lambda cfg: cfg.parallel.sharding != "grad_op"),
+}
+# A removed value of an option -> the value that replaced it (the same behaviour).
+REMOVED_VALUES = {("parallel.quant_sharding", "auto"): "fsdp"}
+
+
+def _removed_option(source: str, dotted: str) -> QShardError:
+    return QShardError(f"{source}: {dotted}: removed; {REMOVED_OPTIONS[dotted].hint}")
+
+
+def _take_removed(tree: dict[str, Any], source: str) -> dict[str, Any]:
+    """Take the removed options out of a YAML file's tree. A set one whose replacement the file leaves at its
+    default becomes that replacement; the others set are returned, for `_check_removed`. A removed value
+    becomes the one that replaced it."""
+    found = {}
+    for dotted, removed in REMOVED_OPTIONS.items():
+        section, name = dotted.split(".")
+        node = tree.get(section)
+        value = node.pop(name, None) if isinstance(node, dict) else None
+        if value is None:
+            continue
+        new_section, new_name = removed.replacement.split(".")
+        replaced = (tree.get(new_section) or {}).get(new_name, removed.default)
+        if replaced == removed.default and _hashable(value) and value in removed.values:
+            set_dotted(tree, removed.replacement, removed.values[value])
+            log.warning("%s: %s is removed; read %s as %s: %s (write that instead)", source, dotted, value,
+                        removed.replacement, removed.values[value])
+        else:
+            found[dotted] = value
+    for (dotted, old), new in REMOVED_VALUES.items():
+        section, name = dotted.split(".")
+        node = tree.get(section)
+        if isinstance(node, dict) and node.get(name) == old:
+            node[name] = new
+    return found
+
+
+def _hashable(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool))
+
+
+def _check_removed(found: dict[str, Any], cfg: Config, source: str) -> None:
+    """A removed option left in a YAML file beside its replacement is dropped if it means what that says."""
+    for dotted, value in found.items():
+        now = REMOVED_OPTIONS[dotted].meaning(cfg)
+        if type(value) is not type(now) or value != now:
+            raise _removed_option(source, dotted)
 
 
 def _validate_source(name: str, source: SourceConfig) -> None:
@@ -392,7 +436,7 @@ def checkpoint_trace_unmet(parallel: ParallelConfig, train_type: str, dropout: f
         ("lora.dropout 0", dropout == 0),
         ("one process (parallel.nproc 1)", world_size == 1),
         ("parallel.cpu_offload false", not parallel.cpu_offload),
-        ("parallel.quant_sharding auto or fsdp", parallel.quant_sharding != "dtensor"),
+        ("parallel.quant_sharding fsdp", parallel.quant_sharding != "dtensor"),
     ) if not ok]
 
 
@@ -427,6 +471,10 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        if prefix + key in REMOVED_OPTIONS:
+            if value is None:  # as an earlier run's config.yaml holds it
+                continue
+            raise _removed_option(source, prefix + key)
         if key not in names:
             known = ", ".join(sorted(prefix + n for n in names))
             raise QShardError(f"{source}: unknown option '{prefix}{key}' (known here: {known})")
@@ -446,6 +494,9 @@ def _coerce(tp: Any, value: Any, name: str, source: str) -> Any:
     if origin is Literal:
         # By type as well as value: `64.0 == 64` and `True == 1`, but neither is a valid choice.
         if not any(type(value) is type(a) and value == a for a in args):
+            if isinstance(value, str) and (name, value) in REMOVED_VALUES:
+                raise QShardError(f"{source}: {name}: {value} is removed; use {REMOVED_VALUES[name, value]} "
+                                  "(what it meant)")
             choices = ", ".join(str(a) for a in args)
             raise QShardError(f"{source}: {name} must be one of {choices}, got {value!r}")
         return value
@@ -572,8 +623,10 @@ def is_demo(tree: dict[str, Any]) -> bool:
 
 
 def resolve(yaml_path: str | None, overrides: list[tuple[str, str]]) -> Config:
-    """YAML file (if any), then command-line overrides in order, then validation."""
+    """YAML file (if any), then command-line overrides in order, then validation. Removed options in the YAML
+    file are taken out first, and checked against the resolved configuration."""
     tree = load_yaml(yaml_path) if yaml_path else {}
+    removed = _take_removed(tree, str(yaml_path))
     # Each source is checked on its own first, so that an error names where the bad key or value came
     # from (a typo on the command line must not be blamed on the YAML file).
     from_dict(tree, source=str(yaml_path))
@@ -584,12 +637,11 @@ def resolve(yaml_path: str | None, overrides: list[tuple[str, str]]) -> Config:
     for dotted, text in overrides:
         set_dotted(tree, dotted, parse_value(text, dotted))
     if is_demo(tree):
-        preset = DEMO_PRESET
-        if (tree.get("model") or {}).get("dtype") is not None:  # the older spelling of the precision: the user's
-            preset = {**DEMO_PRESET, "train": {k: v for k, v in DEMO_PRESET["train"].items() if k != "precision"}}
-        tree = _merge_under(preset, tree)
+        tree = _merge_under(DEMO_PRESET, tree)
     source = yaml_path or "command line"
-    return from_dict(tree, source=source).validate()
+    cfg = from_dict(tree, source=source)
+    _check_removed(removed, cfg, str(yaml_path))
+    return cfg.validate()
 
 
 def save(config: Config, path: Path) -> None:

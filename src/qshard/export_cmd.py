@@ -11,9 +11,9 @@ import torch
 from qshard import checkpoint, export, outputs, rundir
 from qshard import config as config_mod
 from qshard.build import build_model, local_model_dir
+from qshard.checkpoint import base_fingerprint, base_model_name
 from qshard.errors import QShardError
 from qshard.parallel.distributed import DistEnv, held_by_rank0, init_distributed, shutdown
-from qshard.train.run import base_fingerprint, base_model_name
 
 log = logging.getLogger("qshard")
 

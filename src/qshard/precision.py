@@ -62,5 +62,5 @@ MODES = {
 
 
 def precision(cfg: Config) -> Precision:
-    """The run's precision policy (`train.precision`, or derived from the older `model.dtype`)."""
+    """The run's precision policy (`train.precision`)."""
     return MODES[precision_name(cfg)]

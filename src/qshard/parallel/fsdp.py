@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from qshard.config import Config, ParallelConfig, checkpoint_trace_unmet, reshard_after_forward
+from qshard.config import Config, ParallelConfig, checkpoint_trace_unmet
 from qshard.errors import QShardError
 from qshard.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from qshard.parallel.compile import compile_blocks
@@ -33,7 +33,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     """Shard `model` over `mesh` block by block, checkpointed and compiled as `cfg.parallel` says.
     Returns how the quantized storage is held: "fsdp", "dtensor", or "in_place" (see blocks_in_place)."""
     parallel, prec = cfg.parallel, precision(cfg)
-    how = quant_sharding(cfg)
+    how = parallel.quant_sharding
     quantized = quantized_blocks(blocks) if how == "fsdp" else []
     in_place = quantized if blocks_in_place(mesh, parallel) else []  # one device: no units for them
     if how == "fsdp":
@@ -46,17 +46,15 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     apply_activation_checkpointing(model, blocks, parallel, traced)
     if parallel.compile:
         compile_blocks(blocks, parallel.compile_backend, traced, parallel.ac_save_projections)
-    shard_blocks(blocks, quantized, in_place, mesh, parallel, prec, reshard_after_forward(cfg))
+    shard_blocks(blocks, quantized, in_place, mesh, parallel, prec, reshard_after_forward(parallel))
     kept = shard_embedding_and_head(model, mesh, parallel, prec)
     shard_root(model, [*in_place, *kept], mesh, parallel, prec)
     return "in_place" if in_place else how
 
 
-def quant_sharding(cfg: Config) -> str:
-    """Who holds the quantized storage: "fsdp" by default on every torch (its gathers are grouped per block and
-    prefetched); "dtensor" buffers only when asked for (gathered layer by layer; under parallel.cpu_offload
-    kept in pinned host memory by parallel/offload.py; docs/benchmarks-history.md compares the two)."""
-    return "dtensor" if cfg.parallel.quant_sharding == "dtensor" else "fsdp"
+def reshard_after_forward(parallel: ParallelConfig) -> bool:
+    """Whether blocks free their gathered weights after forward: not under grad_op (ZeRO-2)."""
+    return parallel.sharding != "grad_op"
 
 
 def quantized_blocks(blocks: list[nn.Module]) -> list[nn.Module]:

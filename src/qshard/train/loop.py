@@ -80,10 +80,7 @@ class Trainer:
         self.cfg, self.env, self.model = cfg, env, model
         self.train_examples, self.eval_examples, self.pad_id = train_examples, eval_examples, pad_id
         t = cfg.train
-        self.sampler = GlobalBatchSampler(
-            len(train_examples), t.micro_batch_size, t.grad_accum, env.world_size, env.rank, t.seed
-        )
-        self.total_steps = t.max_steps or t.epochs * self.sampler.steps_per_epoch
+        self.sampler, self.total_steps = self.plan(cfg, len(train_examples), env)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Summed next-token cross-entropy over trained tokens, in fp32 (chunked over the vocabulary's logits
         # where the architecture allows); the step divides by the global batch's trained-token count.
@@ -101,6 +98,15 @@ class Trainer:
         self.current_step = 0  # the step `fit` runs (1-based), for the message of a collective that fails in it
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
+
+    @staticmethod
+    def plan(cfg: Config, n_examples: int, env: DistEnv) -> tuple[GlobalBatchSampler, int]:
+        """This rank's sampler over `n_examples` (which refuses data that does not fill one global batch) and
+        the run's optimizer steps: train.max_steps, else train.epochs passes over the data. Known before the
+        model is built."""
+        t = cfg.train
+        sampler = GlobalBatchSampler(n_examples, t.micro_batch_size, t.grad_accum, env.world_size, env.rank, t.seed)
+        return sampler, t.max_steps or t.epochs * sampler.steps_per_epoch
 
     # -----------------------------------------------------------------------------------------------------------
     def step(self, step: int) -> dict:

@@ -5,26 +5,28 @@ and summary.json (written last) marks a finished run."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.nn as nn
+from transformers import PreTrainedTokenizerBase
 
 from qshard import checkpoint, data, demo, export, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, describe, files_from_rank0, load_tokenizer, local_model_dir
-from qshard.checkpoint import CheckpointManager
+from qshard.build import build_model, describe, load_tokenizer, local_model_dir
+from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, base_model_name
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
-from qshard.data import GlobalBatchSampler
+from qshard.data import Example
 from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config
+from qshard.models import SwapReport
 from qshard.parallel.distributed import (
     DistEnv,
     collective_errors,
@@ -34,7 +36,7 @@ from qshard.parallel.distributed import (
     set_timeout,
     shutdown,
 )
-from qshard.train.loop import EvalResult, Trainer
+from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 
 log = logging.getLogger("qshard")
@@ -114,52 +116,115 @@ def run_training(cfg: Config) -> RunResult:
 
 
 def train(cfg: Config, env: DistEnv) -> RunResult:
-    """One run, holding its output directory from before the first file is written until it ends."""
+    """One run, holding its output directory from before the first file is written until it ends: its inputs,
+    the checkpoint it resumes from (checked before anything is built), the model, training, then the adapter
+    and summary.json."""
     out = resolve_output_dir(cfg)
     # Rank 0 holds the lock: the other ranks write only their checkpoint shards, and may be on other machines.
     locked = held_by_rank0(lambda: rundir.run_lock(out), env.is_main)
     with locked, rundir.writing(f"into {out}"):  # a full disk met anywhere: one line
         _check_not_taken(cfg, out)
-        return _train(cfg, env, out)
+        started = time.perf_counter()
+        inputs = _inputs(cfg, env, out)
+        resume = _resume(cfg, env, out)
+        if _finished_before(cfg, env, out, resume, len(inputs.train)):
+            return RunResult(out, {}, None)
+        kept_metrics = _kept_metrics(out, resume.state["step"], env) if resume.continuing else []
+        run = _build(cfg, env, inputs, resume)
+        fit = _fit(cfg, env, out, run, kept_metrics, replace=cfg.output.overwrite and not resume.continuing)
+        if fit.preempted:
+            if env.is_main:
+                log.info("preempted: saved step %d; continue with the same command plus --resume auto",
+                         fit.records[-1]["step"] if fit.records else run.start_step)
+            return RunResult(out, {}, run.model, preempted=True)
+        return RunResult(out, _finish(cfg, env, out, run, fit, started), run.model)
 
 
-def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
-    started = time.perf_counter()
+# ---------------------------------------------------------------------------------------------------------------
+# The steps of a run, in order.
+
+
+@dataclass
+class _Inputs:
+    """What a run reads before it builds anything."""
+
+    model_dir: Path | None  # a directory this process can read (build.local_model_dir)
+    tokenizer: PreTrainedTokenizerBase
+    train: Sequence[Example]
+    eval: Sequence[Example]
+
+
+def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
+    """The model directory, tokenizer and examples; with no model or no data given, the embedded demo's."""
     no_model = cfg.model.path is None and cfg.model.shape is None
     if (cfg.data.path is None and not cfg.data.sources) or no_model:
         if env.is_main:
             log.info("no %s given: running the embedded demo", "model" if no_model else "data")
         _demo_inputs(cfg, env, out)
-
     model_dir = local_model_dir(cfg, env)
     tokenizer = _tokenizer(cfg, model_dir)
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
-    resume = checkpoint.resolve_resume(cfg, out)
-    resume_state, fingerprint = None, None
-    if resume is not None:  # refuse a foreign checkpoint before the model is built and loaded
-        resume_state = checkpoint.read_state(resume)
-        fingerprint = _base_fingerprint(cfg, env)
-        checkpoint.check_compatible(resume, resume_state, cfg, fingerprint)
-    continuing = resume is not None and _continues(cfg, out)
+    return _Inputs(model_dir, tokenizer, train_examples, eval_examples)
+
+
+@dataclass
+class _Resume:
+    """The checkpoint a run starts from (none: step 0), read and checked before the model is built."""
+
+    path: Path | None = None
+    state: dict | None = None  # its trainer_state.json
+    fingerprint: str | None = None  # the base's, computed to check the checkpoint against it
+    continuing: bool = False  # the checkpoint is output.dir's own: that run goes on, keeping its metrics
+
+
+def _resume(cfg: Config, env: DistEnv, out: Path) -> _Resume:
+    """checkpoint.resume's checkpoint, refused now if it was trained from another base or with tensors these
+    options cannot hold."""
+    path = checkpoint.resolve_resume(cfg, out)
+    if path is None:
+        return _Resume()
+    state = checkpoint.read_state(path)
+    fingerprint = base_fingerprint_all_ranks(cfg, env)
+    checkpoint.check_compatible(path, state, cfg, fingerprint)
+    return _Resume(path, state, fingerprint, continuing=_continues(cfg, out))
+
+
+def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_examples: int) -> bool:
+    """Whether output.dir holds this run already finished (summary.json, and the checkpoint of its last step
+    continued): nothing to do. A finished run that --resume auto finds no checkpoint of is refused."""
     finished = from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
-    if finished and continuing and resume_state["step"] >= _planned_steps(cfg, len(train_examples), env):
+    if finished and resume.continuing and resume.state["step"] >= Trainer.plan(cfg, n_examples, env)[1]:
         if env.is_main:
             log.info("run already finished: %s holds summary.json and its checkpoint of the last step (%d); "
-                     "nothing to do", out, resume_state["step"])
-        return RunResult(out, {}, None)
-    if finished and cfg.checkpoint.resume == "auto" and resume is None and not cfg.output.overwrite:
+                     "nothing to do", out, resume.state["step"])
+        return True
+    if finished and cfg.checkpoint.resume == "auto" and resume.path is None and not cfg.output.overwrite:
         raise QShardError(f"output.dir: {out} holds a finished run but no checkpoint to continue it from; "
                           "choose another directory or pass --overwrite")
-    kept_metrics = _kept_metrics(out, resume_state["step"], env) if continuing else []
-    model, report = build_model(cfg, env, model_dir)
-    fingerprint = fingerprint or _base_fingerprint(cfg, env)
+    return False
+
+
+@dataclass
+class _Run:
+    """A built run: the sharded model, its trainer, and where training starts."""
+
+    model: nn.Module
+    report: SwapReport
+    trainer: Trainer
+    start_step: int = 0
+    first: EvalResult | None = None  # a resumed run's held-out loss before training (saved with the checkpoint)
+
+
+def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
+    """The sharded model and its trainer, with the resumed checkpoint's weights, optimizer state and schedule."""
+    model, report = build_model(cfg, env, inputs.model_dir)
+    fingerprint = resume.fingerprint or base_fingerprint_all_ranks(cfg, env)
     if env.is_main:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
-        log.info("data: %d training and %d held-out examples", len(train_examples), len(eval_examples))
-
+        log.info("data: %d training and %d held-out examples", len(inputs.train), len(inputs.eval))
+    tokenizer = inputs.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer = Trainer(cfg, env, model, train_examples, eval_examples, pad_id)  # checks the data fills a batch
-    assert trainer.total_steps == _planned_steps(cfg, len(train_examples), env)
+    trainer = Trainer(cfg, env, model, inputs.train, inputs.eval, pad_id)  # checks the data fills a batch
     trainer.checkpoint_meta = {
         "base_model": base_model_name(cfg),
         "base_fingerprint": fingerprint,
@@ -167,21 +232,32 @@ def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
         "global_batch": trainer.sampler.global_batch_size,
         "config": cfg.to_dict(),
     }
-    start_step, first = 0, None
-    if resume_state is not None:
-        load_started = time.perf_counter()
-        checkpoint.load(resume, model, trainer.optimizer)
-        trainer.restore(resume_state)  # schedule and loss scale
-        start_step = resume_state["step"]
-        if resume_state.get("eval_loss_start") is not None:
-            first = EvalResult(resume_state["eval_loss_start"], 0)
-        _warn_if_data_order_changes(resume_state, trainer, env)
-        if env.is_main:
-            log.info("resumed from %s at step %d (checkpoint loaded in %.2f s)", resume, start_step,
-                     time.perf_counter() - load_started)
+    run = _Run(model, report, trainer)
+    if resume.path is not None:
+        _restore(run, resume, env)
+    return run
 
+
+def _restore(run: _Run, resume: _Resume, env: DistEnv) -> None:
+    """The checkpoint's weights and optimizer state, its schedule and loss scale, and the step it saved."""
+    load_started = time.perf_counter()
+    checkpoint.load(resume.path, run.model, run.trainer.optimizer)
+    run.trainer.restore(resume.state)
+    run.start_step = resume.state["step"]
+    if resume.state.get("eval_loss_start") is not None:
+        run.first = EvalResult(resume.state["eval_loss_start"], 0)
+    _warn_if_data_order_changes(resume.state, run.trainer, env)
+    if env.is_main:
+        log.info("resumed from %s at step %d (checkpoint loaded in %.2f s)", resume.path, run.start_step,
+                 time.perf_counter() - load_started)
+
+
+def _fit(cfg: Config, env: DistEnv, out: Path, run: _Run, kept_metrics: list[str], replace: bool) -> FitResult:
+    """The run files written, then training under the training timeout: SIGTERM or SIGUSR1 stop it after a
+    saved step, and a collective that fails names the step."""
+    trainer = run.trainer
     checkpoints = CheckpointManager(out / "checkpoints", cfg, env.is_main, env.device)
-    metrics = _open_outputs(cfg, env, out, kept_metrics, replace=cfg.output.overwrite and not continuing)
+    metrics = _open_outputs(cfg, env, out, kept_metrics, replace)
     set_timeout(env, "parallel.timeout_s", cfg.parallel.timeout_s)  # loading is over: ranks now keep in step
 
     def at_step() -> str:
@@ -189,24 +265,40 @@ def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
 
     with _preemption_handler(trainer), collective_errors(env, at_step):
         try:
-            fit = trainer.fit(metrics, start_step, checkpoints, first)
+            return trainer.fit(metrics, run.start_step, checkpoints, run.first)
         finally:
             metrics.close()
-    if fit.preempted:
-        if env.is_main:
-            log.info("preempted: saved step %d; continue with the same command plus --resume auto",
-                     fit.records[-1]["step"] if fit.records else start_step)
-        return RunResult(out, {}, model, preempted=True)
 
-    if start_step >= trainer.total_steps and first is not None and eval_examples:
+
+def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, started: float) -> dict:
+    """The adapter (gathered from every rank), then summary.json, written last: it marks the run finished."""
+    trainer = run.trainer
+    if run.start_step >= trainer.total_steps and run.first is not None and trainer.eval_examples:
         fit.last = trainer.evaluate()  # nothing was left to train: the loaded weights' loss, not the start's
-    adapter_tensors = export.gather_lora(model) if report.adapted else {}
+    adapter_tensors = export.gather_lora(run.model) if run.report.adapted else {}
+    summary = _summary(cfg, env, run, fit, started)
+    if env.is_main:
+        if run.report.adapted:
+            export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(run.model),
+                                      base_model_name(cfg))
+        _write_json_atomic(out / "summary.json", summary)
+        first, last = fit.first, fit.last
+        if first is not None and last is not None:
+            log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
+                     first.loss, last.loss, first.perplexity, last.perplexity)
+        log.info("finished %d steps in %.1f s; results in %s", trainer.total_steps, summary["elapsed_s"], out)
+    dist.barrier()
+    return summary
+
+
+def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: float) -> dict:
+    """summary.json's fields: what was trained, the first and last losses, the time taken, where the results are."""
     records, first, last = fit.records, fit.first, fit.last
-    summary = {
+    return {
         "train_type": cfg.train.train_type,
         "world_size": env.world_size,
-        "steps": trainer.total_steps,
-        "resumed_from_step": start_step or None,
+        "steps": run.trainer.total_steps,
+        "resumed_from_step": run.start_step or None,
         "train_loss_first": records[0]["loss"] if records else None,
         "train_loss_last": records[-1]["loss"] if records else None,
         "eval_loss_start": first.loss if first else None,
@@ -214,20 +306,13 @@ def _train(cfg: Config, env: DistEnv, out: Path) -> RunResult:
         "eval_ppl_start": first.perplexity if first else None,
         "eval_ppl_end": last.perplexity if last else None,
         "elapsed_s": time.perf_counter() - started,
-        "adapter": "adapter" if report.adapted else None,
-        "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), trainer.total_steps)),
+        "adapter": "adapter" if run.report.adapted else None,
+        "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), run.trainer.total_steps)),
     }
-    if env.is_main:
-        if report.adapted:
-            export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(model),
-                                      base_model_name(cfg))
-        _write_json_atomic(out / "summary.json", summary)
-        if first is not None and last is not None:
-            log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
-                     first.loss, last.loss, first.perplexity, last.perplexity)
-        log.info("finished %d steps in %.1f s; results in %s", trainer.total_steps, summary["elapsed_s"], out)
-    dist.barrier()
-    return RunResult(out, summary, model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the steps use.
 
 
 def _tokenizer(cfg: Config, model_dir: Path | None):
@@ -247,27 +332,6 @@ def _tokenizer(cfg: Config, model_dir: Path | None):
         return tokenizer
     load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
     return load_tokenizer(model_dir)
-
-
-def base_fingerprint(cfg: Config) -> str:
-    """What identifies the frozen base, for checkpoints: its files, or for a named shape without a
-    directory, the shape and the seed its random weights come from."""
-    if cfg.model.path is None:
-        return hashlib.sha256(f"shape {cfg.model.shape} seed {cfg.train.seed}".encode()).hexdigest()[:16]
-    return checkpoint.base_fingerprint(cfg.model.path)
-
-
-def _base_fingerprint(cfg: Config, env: DistEnv) -> str:
-    if files_from_rank0(cfg, env):  # only rank 0 can read the files
-        return from_rank0(lambda: base_fingerprint(cfg), env.is_main)
-    return base_fingerprint(cfg)
-
-
-def base_model_name(cfg: Config) -> str:
-    """The base named in adapter_config.json and checkpoints: the model directory, or the random shape."""
-    if cfg.model.path is None:
-        return f"qshard random {cfg.model.shape} (seed {cfg.train.seed})"
-    return str(Path(cfg.model.path).resolve())
 
 
 def _warn_if_data_order_changes(state: dict, trainer: Trainer, env: DistEnv) -> None:
@@ -294,13 +358,6 @@ def _preemption_handler(trainer: Trainer):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _planned_steps(cfg: Config, n_examples: int, env: DistEnv) -> int:
-    """The run's optimizer steps, as the Trainer will count them, known before the model is built."""
-    t = cfg.train
-    sampler = GlobalBatchSampler(n_examples, t.micro_batch_size, t.grad_accum, env.world_size, env.rank, t.seed)
-    return t.max_steps or t.epochs * sampler.steps_per_epoch
 
 
 def _kept_metrics(out: Path, step: int, env: DistEnv) -> list[str]:
