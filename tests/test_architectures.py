@@ -36,7 +36,7 @@ ARCHITECTURES = {
 def test_architecture_trains_and_exports(name, tiny_models, tmp_path, dist_env):
     model_type, overrides = ARCHITECTURES[name]
     model_dir = tiny_models(model_type, **overrides)
-    cfg = _config(model_dir, tmp_path / "run", dtype="float32", steps=4)
+    cfg = _config(model_dir, tmp_path / "run", precision="fp32", steps=4)
     cfg.train.eval_every = 0
     result = train(cfg, dist_env)
     summary = result.summary

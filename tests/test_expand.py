@@ -97,7 +97,7 @@ def test_llama_pro_trains_only_the_new_blocks(tiny_models, tmp_path, dist_env):
     export loads in transformers and gives qshard's logits."""
     expanded = tmp_path / "expanded"
     expand_checkpoint(tiny_models("llama"), expanded, 1)  # layers 0, 1 and the new 2
-    cfg = _config(expanded, tmp_path / "run", train_type="llama_pro", steps=3, dtype="float32")
+    cfg = _config(expanded, tmp_path / "run", train_type="llama_pro", steps=3, precision="fp32")
     cfg.optim.lr = 1e-3
     result = train(cfg, dist_env)
     model = result.model
