@@ -163,9 +163,8 @@ class TrainConfig:
     # Plain log line every N steps when output is not a terminal.
     log_every: int = 1
     # Cross-entropy over this many tokens at a time, so the [tokens, vocab] logits never exist whole
-    # (for architectures with a plain output head); 0 computes the full logits. 512 rather than 1,024: the
-    # start of backward (one chunk's logits, their fp32 copy and gradient: ~1.5 GiB at 1,024 over a 128k
-    # vocabulary) set the 8B step's peak at seq 2,048 (benchmarks/memory_peak.py, docs/benchmarks.md).
+    # (for architectures with a plain output head); 0 computes the full logits. Small enough that one chunk's
+    # logits, their fp32 copy and gradient do not set the step's peak memory (docs/configuration.md).
     loss_chunk_tokens: int = 512
     # A step whose loss or gradient norm is NaN or infinite: error ends the run naming the step, before its
     # metrics line or any checkpoint after it; skip_step leaves the weights as they were and goes on.
@@ -188,7 +187,7 @@ class ParallelConfig:
     ac_reentrant: bool = False
     # Compiled blocks checkpointed inside their graph (one device, no LoRA dropout) keep the outputs of their
     # narrowing projections (attention's q/k/v, LoRA's A) instead of recomputing them in backward: faster,
-    # for more activation memory (8B shape: +6% tok/s, +0.65 GiB per 1,024 tokens; docs/benchmarks.md).
+    # for more activation memory (docs/configuration.md says how much).
     ac_save_projections: bool = False
     # full: params, grads and optimizer state sharded (ZeRO-3); grad_op: the same, but each block keeps its
     # gathered weights from forward to backward (ZeRO-2); none: every rank holds everything (DDP-like);
@@ -594,7 +593,7 @@ def _option_type(dotted: str) -> Any:
 # The embedded demo (no model and no data given) trains a random tiny model: it needs a larger learning
 # rate and batch than a pretrained one. Applied under the user's own settings, never over them. In fp32:
 # its matmuls are too small to gain from bf16 on a GPU, and CPUs without native bf16 run bf16 matmuls
-# several times slower (6x measured on a 2-core AMD EPYC without AVX-512; the demo step 0.8 -> 0.1 s).
+# several times slower.
 DEMO_PRESET = {
     "train": {"micro_batch_size": 16, "max_steps": 500, "eval_every": 100, "precision": "fp32"},
     "optim": {"lr": 3e-3, "warmup_steps": 10},
