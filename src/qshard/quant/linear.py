@@ -18,8 +18,6 @@ What every method's storage must be, so that all of that holds without knowing t
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -46,7 +44,7 @@ def full_storage(layer: QuantizedLinear) -> tuple[torch.Tensor, ...]:
     return tuple(gathered(getattr(layer, name)) for name in layer.STORAGE)
 
 
-class QuantizedLinear(nn.Module, ABC):
+class QuantizedLinear(nn.Module):
     """A frozen linear layer y = x W^T + b whose W is kept as integer storage (see the module docstring).
     The storage and bias are parameters (not buffers) so that FSDP2 shards them; nothing here trains."""
 
@@ -84,16 +82,18 @@ class QuantizedLinear(nn.Module, ABC):
         else:
             self.register_parameter("bias", None)
 
-    @classmethod
-    @abstractmethod
-    def can_quantize(cls, in_features: int, quant: QuantConfig) -> bool:
-        """Whether rows of `in_features` weights can be stored under `quant` (else the linear stays unquantized)."""
+    # Each method defines can_quantize, from_config, quantize and dequantize.
 
     @classmethod
-    @abstractmethod
+    def can_quantize(cls, in_features: int, quant: QuantConfig) -> bool:
+        """Whether rows of `in_features` weights can be stored under `quant` (else the linear stays unquantized)."""
+        raise NotImplementedError
+
+    @classmethod
     def from_config(cls, in_features: int, out_features: int, bias: bool, quant: QuantConfig,
                     bias_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
         """An empty layer of this shape, in the format `quant` describes (its weights are loaded later)."""
+        raise NotImplementedError
 
     @classmethod
     def like(cls, linear: nn.Linear, quant: QuantConfig, bias_dtype: torch.dtype) -> QuantizedLinear:
@@ -101,15 +101,15 @@ class QuantizedLinear(nn.Module, ABC):
         return cls.from_config(linear.in_features, linear.out_features, linear.bias is not None, quant,
                                bias_dtype=bias_dtype, device=linear.weight.device)
 
-    @abstractmethod
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The storage of `weight` (any block of whole rows, on its device), by name: what loading writes into
         this rank's shard."""
+        raise NotImplementedError
 
-    @abstractmethod
     def dequantize(self, storage: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """The dense rows that `storage` (tensors in `STORAGE` order, whole rows of each; or float carriers of
         their bytes, which this views back) holds, in `dtype`."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor) -> None:
