@@ -10,7 +10,8 @@ from test_train import _check_roundtrip, _config
 from qshard.build import build_model
 from qshard.config import Config
 from qshard.errors import QShardError
-from qshard.quant import NF4Experts, NF4Linear
+from qshard.quant import NF4Linear
+from qshard.quant import QuantizedExperts as NF4Experts
 from qshard.train.run import train
 
 

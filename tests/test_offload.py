@@ -26,7 +26,7 @@ def _build(model_dir: str, env, method: str, offload: bool):
 
 
 def _quantized(model):
-    from qshard.quant import QUANTIZED_LINEARS
+    from qshard.quant import QuantizedLinear as QUANTIZED_LINEARS
 
     return [m for m in model.modules() if isinstance(m, QUANTIZED_LINEARS)]
 

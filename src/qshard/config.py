@@ -59,12 +59,24 @@ class LoRAConfig:
     target_modules: list[str] | None = None
 
 
+# The quantization methods by quant.method name, and the quant.bits each takes: a torch-free copy of what
+# their layers declare (qshard.quant.QUANT_METHODS, which adds the methods registered later here too), so
+# that a config is checked before torch is imported.
+QUANT_BITS: dict[str, tuple[int, ...]] = {"nf4": (4,), "hqq": (4, 3, 2)}
+
+
+def _quant_bits_values() -> tuple[int, ...]:
+    return tuple(sorted({bits for values in QUANT_BITS.values() for bits in values}, reverse=True))
+
+
 @dataclass
 class QuantConfig:
-    # How qlora / qdora store the frozen block linears: NF4 (bitsandbytes' 4-bit NormalFloat) or HQQ.
-    method: Literal["nf4", "hqq"] = "nf4"
+    # How qlora / qdora store the frozen block linears: NF4 (bitsandbytes' 4-bit NormalFloat), HQQ, or a method
+    # registered since. These two types are evaluated when read (annotations are strings here), as from_dict
+    # reads them, so they take in the methods of QUANT_BITS at that time.
+    method: Literal[tuple(QUANT_BITS)] = "nf4"
     # Bits per weight code: NF4 is 4-bit only; HQQ takes 4, 3 or 2.
-    bits: Literal[4, 3, 2] = 4
+    bits: Literal[_quant_bits_values()] = 4
     # How many consecutive weights of a row share one scale (NF4's absmax; HQQ's scale and zero).
     blocksize: Literal[64, 128, 256] = 64
 
@@ -288,13 +300,17 @@ class Config:
         return self
 
     def _validate_quant(self) -> None:
+        """The method's own rules (QUANT_BITS), and a method chosen only where the base is quantized (the
+        default method cannot tell chosen from left alone)."""
         q, train_type = self.quant, self.train.train_type
-        if q.method == "nf4" and q.bits != 4:
-            raise QShardError(f"quant.bits: nf4 is a 4-bit format, got {q.bits}; for 3 or 2 bits use quant.method hqq")
-        if q.method != "nf4" and train_type not in QUANTIZED_TRAIN_TYPES:
+        if q.method not in QUANT_BITS:
+            raise QShardError(f"quant.method must be one of {', '.join(QUANT_BITS)}, got {q.method!r}")
+        if q.bits not in QUANT_BITS[q.method]:
+            raise QShardError(f"quant.bits: {q.method} {_bits_taken(q.method)}, got {q.bits}{_bits_elsewhere(q)}")
+        if q.method != QuantConfig.method and train_type not in QUANTIZED_TRAIN_TYPES:
             raise QShardError(
                 f"quant.method: {q.method} quantizes the frozen base, which train.train_type {train_type} keeps "
-                "unquantized; use train.train_type qlora (LoRA) or qdora (DoRA) over an HQQ base"
+                f"unquantized; use train.train_type qlora (LoRA) or qdora (DoRA) over an {q.method.upper()} base"
             )
 
     def _validate_parallel(self) -> None:
@@ -406,6 +422,22 @@ def _check_removed(found: dict[str, Any], cfg: Config, source: str) -> None:
         now = REMOVED_OPTIONS[dotted].meaning(cfg)
         if type(value) is not type(now) or value != now:
             raise _removed_option(source, dotted)
+
+
+def _bits_taken(method: str) -> str:
+    bits = QUANT_BITS[method]
+    return f"is a {bits[0]}-bit format" if len(bits) == 1 else f"takes {_either(bits)} bits"
+
+
+def _bits_elsewhere(q: QuantConfig) -> str:
+    """The methods that take `q.bits`, with the widths they add to q.method's."""
+    return "".join(f"; for {_either([b for b in bits if b not in QUANT_BITS[q.method]])} bits use quant.method {name}"
+                   for name, bits in QUANT_BITS.items() if q.bits in bits)
+
+
+def _either(values) -> str:
+    values = [str(v) for v in values]
+    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
 
 
 def _validate_source(name: str, source: SourceConfig) -> None:

@@ -18,7 +18,7 @@ from qshard.adapters import DoRALinear, LoRALinear
 from qshard.adapters.dora import dora_merge
 from qshard.config import LoRAConfig
 from qshard.loading import WEIGHT_SUFFIXES, join_name, module_sources
-from qshard.quant import HQQLinear, NF4Experts, NF4Linear
+from qshard.quant import QuantizedExperts, QuantizedLinear
 
 # PEFT stores a causal LM's adapter under the PeftModel -> LoraModel -> original model path.
 PEFT_PREFIX = "base_model.model."
@@ -97,7 +97,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(layer, (NF4Linear, HQQLinear)):
+    if isinstance(layer, QuantizedLinear):
         # Gathers sharded storage itself, wherever it is kept (DTensor buffers, FSDP2, host memory).
         return layer.dequantized_weight(dtype)
     return _full(layer.weight).to(dtype)
@@ -105,7 +105,7 @@ def _dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 def model_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge_adapters: bool = False):
     """Yield (checkpoint name, full tensor on CPU), one at a time, under the base checkpoint's names:
-    NF4 and HQQ layers dequantized; with `merge_adapters`, each adapted weight becomes W + (alpha/r) B A
+    quantized layers dequantized; with `merge_adapters`, each adapted weight becomes W + (alpha/r) B A
     (DoRA: that rescaled to its magnitude per row), in fp32 before the cast. Without it, the base the
     adapters were fitted to.
 
@@ -126,11 +126,11 @@ def model_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge_a
                 if module.base.bias is not None:
                     yield join_name(prefix, "bias"), _full(module.base.bias).to(dtype).cpu()
             continue
-        if isinstance(module, NF4Experts):  # fused MoE experts: one NF4 layer per 3-D weight
+        if isinstance(module, QuantizedExperts):  # fused MoE experts: one quantized layer per 3-D weight
             for name, shape in module.shapes.items():
                 yield join_name(prefix, name), _dense_weight(getattr(module, name), dtype).view(shape).cpu()
             continue
-        if isinstance(module, (NF4Linear, HQQLinear)):
+        if isinstance(module, QuantizedLinear):
             yield join_name(prefix, "weight"), _dense_weight(module, dtype).cpu()
             if module.bias is not None:
                 yield join_name(prefix, "bias"), _full(module.bias).to(dtype).cpu()
@@ -142,7 +142,7 @@ def model_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16, merge_a
 
 
 def base_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
-    """The frozen base as the adapters saw it (NF4 dequantized), under the checkpoint's names."""
+    """The frozen base as the adapters saw it (dequantized), under the checkpoint's names."""
     return model_weights(model, dtype, merge_adapters=False)
 
 

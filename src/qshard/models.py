@@ -23,9 +23,7 @@ from qshard.adapters import DoRALinear, LoRALinear
 from qshard.config import DORA_TRAIN_TYPES, QUANTIZED_TRAIN_TYPES, Config, QuantConfig
 from qshard.errors import QShardError
 from qshard.precision import precision
-from qshard.quant import HQQLinear, NF4Linear
-from qshard.quant.experts import NF4Experts, fused_expert_params
-from qshard.quant.nf4 import can_quantize
+from qshard.quant import QUANT_METHODS, QuantizedExperts, QuantizedLinear, experts_methods, fused_expert_params
 
 log = logging.getLogger("qshard")
 
@@ -83,17 +81,16 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
 @dataclass
 class SwapReport:
     adapted: list[str]  # fully qualified names of linears given a LoRA adapter
-    quantized: list[str]  # ... whose base is quantized (NF4 or HQQ)
+    quantized: list[str]  # ... whose base is quantized (quant.method)
     kept: list[str]  # block linears left in bf16 (shape not quantizable)
 
 
 def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> SwapReport:
     """Swap block linears for the train type's modules and set requires_grad and storage dtypes.
 
-    qlora: every block linear -> NF4Linear (frozen); targeted ones wrapped in LoRALinear.
+    qlora: every block linear -> quant.method's QuantizedLinear (frozen); targeted ones wrapped in LoRALinear.
     lora:  targeted block linears wrapped in LoRALinear over the frozen bf16 linear.
     qdora, dora: as qlora and lora, with DoRALinear (LoRA plus a trained magnitude per output row).
-    qlora and qdora quantize with quant.method: NF4Linear, or HQQLinear at quant.bits.
     full:  nothing swapped; every parameter trains, stored in the master dtype (train.precision).
     llama_pro: nothing swapped; the blocks `qshard expand` added train in the master dtype, the rest stays frozen.
     """
@@ -111,21 +108,21 @@ def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> S
     targets = _resolve_targets(model, blocks, cfg.lora.target_modules)
     report = SwapReport(adapted=[], quantized=[], kept=[])
     block_names = {id(b) for b in blocks}
-    quantize = train_type in QUANTIZED_TRAIN_TYPES
+    method = QUANT_METHODS[cfg.quant.method] if train_type in QUANTIZED_TRAIN_TYPES else None
     adapter = DoRALinear if train_type in DORA_TRAIN_TYPES else LoRALinear
     for name, module in list(model.named_modules()):
         if id(module) not in block_names:
             continue
-        if quantize:
-            _quantize_experts(model, module, name, cfg.quant, report)
+        if method is not None:
+            _quantize_experts(model, module, name, method, cfg.quant, report)
         for sub_name, linear in list(module.named_modules()):
             if not isinstance(linear, nn.Linear):
                 continue
             fqn = f"{name}.{sub_name}"
             base: nn.Module = linear
-            if quantize:
-                if can_quantize(linear, cfg.quant.blocksize):
-                    base = _quantized_like(linear, cfg.quant, frozen_dtype)
+            if method is not None:
+                if method.can_quantize(linear.in_features, cfg.quant):
+                    base = method.like(linear, cfg.quant, frozen_dtype)
                     report.quantized.append(fqn)
                 else:
                     report.kept.append(fqn)
@@ -228,26 +225,20 @@ def allocation_errors(model: nn.Module, cfg: Config, device: torch.device) -> It
         raise QShardError(f"{what}cannot allocate the model on {device} ({asked}){share}") from None
 
 
-def _quantized_like(linear: nn.Linear, quant: QuantConfig, bias_dtype: torch.dtype) -> nn.Module:
-    """An empty frozen quantized layer of `linear`'s shape, in quant.method's format."""
-    if quant.method == "hqq":
-        return HQQLinear.like(linear, quant.bits, quant.blocksize, bias_dtype=bias_dtype)
-    return NF4Linear.like(linear, quant.blocksize, bias_dtype=bias_dtype)
-
-
-def _quantize_experts(model: nn.Module, block: nn.Module, block_name: str, quant: QuantConfig,
-                      report: SwapReport) -> None:
+def _quantize_experts(model: nn.Module, block: nn.Module, block_name: str, method: type[QuantizedLinear],
+                      quant: QuantConfig, report: SwapReport) -> None:
     """Swap each fused-experts module (3-D [experts, out, in] weights, transformers 5's MoE layout) of a
-    block for an NF4Experts; refuse an experts module holding anything else, which qshard cannot run."""
+    block for a QuantizedExperts of `method`; refuse an experts module holding anything else, which qshard
+    cannot run, and any where `method` holds no experts."""
     for sub_name, module in list(block.named_modules()):
         shapes = fused_expert_params(module)
         if not shapes:
             continue
         fqn = f"{block_name}.{sub_name}"
-        if quant.method != "nf4":
+        if not method.EXPERTS:
             raise QShardError(
                 f"{type(model).__name__}: experts module '{fqn}' holds fused MoE weights, which quant.method "
-                f"{quant.method} does not quantize yet; use quant.method nf4"
+                f"{quant.method} does not quantize yet; use quant.method {' or '.join(experts_methods())}"
             )
         other = [n for n, p in module.named_parameters() if p.ndim != 3 or "." in n]
         if other:
@@ -256,10 +247,10 @@ def _quantize_experts(model: nn.Module, block: nn.Module, block_name: str, quant
                 f"besides 3-D [experts, out, in] weights ({', '.join(other)}), which qshard cannot quantize; "
                 "use train.train_type lora or full"
             )
-        if any(shape[2] % quant.blocksize for shape in shapes.values()):
+        if not all(method.can_quantize(shape[2], quant) for shape in shapes.values()):
             report.kept.append(fqn)
             continue
-        _set_submodule(block, sub_name, NF4Experts(module, quant.blocksize))
+        _set_submodule(block, sub_name, QuantizedExperts(module, method, quant))
         report.quantized.append(fqn)
 
 

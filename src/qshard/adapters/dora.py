@@ -5,7 +5,7 @@ dim of each output row and m a trainable magnitude per output row. As the paper 
 does), ||V|| is a constant in backward: gradients reach m, A and B only through the numerator, and the
 norm is computed under no_grad, in fp32.
 
-The base is a frozen nn.Linear (`dora`), NF4Linear or HQQLinear (`qdora`). The forward never builds
+The base is a frozen nn.Linear (`dora`) or QuantizedLinear (`qdora`: NF4, HQQ, ...). The forward never builds
 W': y = base(x) + (m/||V|| - 1) (W0 x) + (m/||V||) (alpha/r) B A x, which reuses the base layer's own
 matmul (and its memory-saving backward) and equals W' x + bias. With adapter dropout active, the
 (m/||V|| - 1) W0 term is taken on the dropped-out input as well, as the reference implementation and
@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from qshard.adapters.lora import LoRALinear
-from qshard.quant.hqq import HQQLinear, dequantize_hqq
-from qshard.quant.nf4 import NF4Linear, dequantize_nf4
+from qshard.quant import QuantizedLinear
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -36,10 +35,8 @@ def local_base_rows(base: nn.Module) -> torch.Tensor:
     """This rank's rows of the frozen base weight, dense, in fp32. FSDP2 (and the DTensor buffers of
     `parallel.quant_sharding: dtensor`) shard every one of them along dim 0, the output rows, into the
     same row ranges as the magnitude, so no gather is needed to compute the rows' norms."""
-    if isinstance(base, NF4Linear):
-        return dequantize_nf4(_local(base.packed), _local(base.absmax), torch.float32)
-    if isinstance(base, HQQLinear):
-        return dequantize_hqq(_local(base.packed), _local(base.scale_zero), base.bits, torch.float32)
+    if isinstance(base, QuantizedLinear):
+        return base.dequantize(tuple(_local(getattr(base, name)) for name in base.STORAGE), torch.float32)
     return _local(base.weight).float()
 
 

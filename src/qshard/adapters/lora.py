@@ -1,6 +1,6 @@
 """LoRA: y = base(x) + (alpha / r) * B A dropout(x), with A [r, in] and B [out, r].
 
-The base is any frozen linear-shaped module (NF4Linear or a bf16 nn.Linear). A and B are plain
+The base is any frozen linear-shaped module (a QuantizedLinear or a bf16 nn.Linear). A and B are plain
 parameters; their storage dtype is the master dtype (fp32 by default) and FSDP2's
 MixedPrecisionPolicy hands the forward a bf16 copy, so the adapter computes in bf16 and its
 gradients are reduced and stepped in fp32.

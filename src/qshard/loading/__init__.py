@@ -3,7 +3,7 @@
 The checkpoint is checked against the skeleton (every tensor present, every shape right, nothing
 unexplained) before anything is read. Then each tensor is read into memory of its own (no long-lived
 mapping of the file, see `weight_files`), moved to this rank's device, quantized there if its layer is
-NF4, and only this rank's dim-0 slice is kept. Several threads read ahead of the tensor being stored,
+quantized, and only this rank's dim-0 slice is kept. Several threads read ahead of the tensor being stored,
 within a fixed byte budget (`ReadOptions`), so the memory a load adds grows with the model's largest tensor
 at most, not with its size.
 

@@ -2,7 +2,7 @@
 
 The checkpoint is checked against the skeleton (every tensor present, every shape right, nothing
 unexplained) before anything is read (`check_checkpoint`). Each full tensor is then stored by its plan entry
-(`load_plan`): only this rank's dim-0 slice is kept, and a weight of an NF4 or HQQ layer is quantized, on the
+(`load_plan`): only this rank's dim-0 slice is kept, and a weight of a quantized layer is quantized, on the
 device it was moved to, from the rows that slice holds. LoRA adapters are not loaded but initialized
 (`init_adapters`).
 """
@@ -20,8 +20,7 @@ from qshard.adapters import LoRALinear
 from qshard.errors import QShardError
 from qshard.loading.model_dir import Checkpoint
 from qshard.parallel.mesh import local_piece
-from qshard.quant import HQQLinear, NF4Linear, quantize_nf4
-from qshard.quant.experts import NF4Experts
+from qshard.quant import QuantizedExperts, QuantizedLinear
 
 
 def module_sources(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
@@ -30,8 +29,8 @@ def module_sources(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
 
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[nn.Module, str]]:
         yield module, prefix
-        if isinstance(module, NF4Experts):
-            return  # its NF4 children hold the module's own 3-D tensors, read under the module's names
+        if isinstance(module, QuantizedExperts):
+            return  # its quantized children hold the module's own 3-D tensors, read under the module's names
         for name, child in module.named_children():
             child_prefix = prefix if isinstance(module, LoRALinear) and name == "base" else join_name(prefix, name)
             yield from walk(child, child_prefix)
@@ -48,10 +47,10 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
     expected: dict[str, tuple[int, ...]] = {}
     seen: set[int] = set()
     for module, prefix in module_sources(model):
-        if isinstance(module, NF4Experts):
+        if isinstance(module, QuantizedExperts):
             expected.update({join_name(prefix, name): shape for name, shape in module.shapes.items()})
             continue
-        if isinstance(module, (NF4Linear, HQQLinear)):
+        if isinstance(module, QuantizedLinear):
             expected[join_name(prefix, "weight")] = (module.out_features, module.in_features)
             if module.bias is not None:
                 expected[join_name(prefix, "bias")] = tuple(module.bias.shape)
@@ -125,12 +124,11 @@ def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None
     plan: list[tuple[str, Callable[[torch.Tensor], None]]] = []
     seen: set[int] = set()
     for module, prefix in module_sources(model):
-        if isinstance(module, NF4Experts):
+        if isinstance(module, QuantizedExperts):
             for name in module.shapes:
-                plan.append((join_name(prefix, name), functools.partial(_store_nf4_experts, getattr(module, name))))
-        elif isinstance(module, (NF4Linear, HQQLinear)):
-            store = _store_nf4 if isinstance(module, NF4Linear) else _store_hqq
-            plan.append((join_name(prefix, "weight"), functools.partial(store, module)))
+                plan.append((join_name(prefix, name), functools.partial(_store_experts, getattr(module, name))))
+        elif isinstance(module, QuantizedLinear):
+            plan.append((join_name(prefix, "weight"), functools.partial(_store_quantized, module)))
             if module.bias is not None:
                 plan.append((join_name(prefix, "bias"), functools.partial(copy_full, module.bias)))
         elif not isinstance(module, LoRALinear):
@@ -141,37 +139,24 @@ def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None
     return plan
 
 
-def _quantized_rows(module: NF4Linear | HQQLinear, weight: torch.Tensor) -> torch.Tensor:
+def _quantized_rows(module: QuantizedLinear, weight: torch.Tensor) -> torch.Tensor:
     """The weight rows whose codes this rank's shard keeps. Storage offloaded to host memory
     (parallel/offload.py) is a plain tensor per shard, so its sharding is asked of its `offloaded` record; the
     codes are then written below straight into that host tensor (a copy from the device, where they were
     quantized), so the quantized model never sits on the device whole."""
     if module.offloaded is not None:
         return module.offloaded.local_rows(weight)
-    return local_rows(module.packed, weight)
+    return local_rows(getattr(module, module.STORAGE[0]), weight)
 
 
-def _store_nf4(module: NF4Linear, weight: torch.Tensor) -> None:
-    """Quantize only the weight rows this rank's shard keeps. NF4Linear requires in_features to be a multiple
-    of the blocksize, so no NF4 block straddles two rows and these rows' codes and scales are exactly those
-    of the whole weight; quantizing the rest would be work every other rank repeats."""
+def _store_quantized(module: QuantizedLinear, weight: torch.Tensor) -> None:
+    """Quantize only the weight rows this rank's shard keeps. A method's rows are quantized on their own (no
+    block straddles two rows: quant/linear.py), so these rows' codes and scales are exactly those of the whole
+    weight; quantizing the rest would be work every other rank repeats."""
     rows = _quantized_rows(module, weight)
     if rows.shape[0] == 0:  # more ranks than rows: this one keeps none
         return
     # Quantized from the stored dtype (fp32, fp16 or bf16) as is: no rounding through bf16 first.
-    packed, absmax = quantize_nf4(rows, module.blocksize)
-    for param, value in ((module.packed, packed), (module.absmax, absmax)):
-        # .view: under FSDP2 the storage is a float carrier of the same bytes (parallel/fsdp.py).
-        local = (param.to_local() if isinstance(param, DTensor) else param).view(value.dtype)
-        assert tuple(local.shape) == tuple(value.shape), (local.shape, value.shape)
-        local.copy_(value)
-
-
-def _store_hqq(module: HQQLinear, weight: torch.Tensor) -> None:
-    """As `_store_nf4`: HQQ groups never straddle rows either, so only this rank's rows are quantized."""
-    rows = _quantized_rows(module, weight)
-    if rows.shape[0] == 0:
-        return
     for name, value in module.quantize(rows).items():
         param = getattr(module, name)
         # .view: under FSDP2 the storage is a float carrier of the same bytes (parallel/fsdp.py).
@@ -180,8 +165,8 @@ def _store_hqq(module: HQQLinear, weight: torch.Tensor) -> None:
         local.copy_(value)
 
 
-def _store_nf4_experts(layer: NF4Linear, weight: torch.Tensor) -> None:
-    _store_nf4(layer, weight.reshape(-1, weight.shape[-1]))  # [experts, out, in] -> experts' rows in turn
+def _store_experts(layer: QuantizedLinear, weight: torch.Tensor) -> None:
+    _store_quantized(layer, weight.reshape(-1, weight.shape[-1]))  # [experts, out, in] -> experts' rows in turn
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:

@@ -24,7 +24,7 @@ from qshard.parallel.compile import compile_blocks
 from qshard.parallel.mesh import local_piece, shard_placements
 from qshard.parallel.offload import offload_policy, offload_quantized_storage
 from qshard.precision import Precision, precision
-from qshard.quant import QUANTIZED_LINEARS
+from qshard.quant import QuantizedLinear
 
 log = logging.getLogger("qshard")
 
@@ -59,7 +59,7 @@ def reshard_after_forward(parallel: ParallelConfig) -> bool:
 
 def quantized_blocks(blocks: list[nn.Module]) -> list[nn.Module]:
     """The blocks that hold quantized layers."""
-    return [b for b in blocks if any(isinstance(m, QUANTIZED_LINEARS) for m in b.modules())]
+    return [b for b in blocks if any(isinstance(m, QuantizedLinear) for m in b.modules())]
 
 
 def blocks_in_place(mesh: DeviceMesh, parallel: ParallelConfig) -> bool:
@@ -78,7 +78,7 @@ def storage_in_dtensor_buffers(model: nn.Module, blocks: list[nn.Module], mesh: 
     moved to host memory as well, since FSDP2's CPUOffloadPolicy moves only what FSDP2 manages and the storage
     is the bulk of the model (moved before materialization, it never exists on the GPU whole)."""
     for module in model.modules():
-        if isinstance(module, QUANTIZED_LINEARS):
+        if isinstance(module, QuantizedLinear):
             shard_as_dtensor_buffers(module, mesh)
     if parallel.cpu_offload:
         offload_quantized_storage(model, blocks, compute_device(mesh))
@@ -154,10 +154,6 @@ def shard_root(model: nn.Module, in_place: list[nn.Module], mesh: DeviceMesh, pa
 # ---------------------------------------------------------------------------------------------------------------
 # Quantized storage that FSDP2 units hold: as integers, or in float carriers.
 
-# Float dtypes that carry the quantized storage's bytes where FSDP2 cannot hold integers: codes (uint8) two to a
-# bf16 element, scales (fp32 bits kept as int32) as the fp32 values they are. Two dtypes in every quantized layer.
-CARRIERS = {torch.uint8: torch.bfloat16, torch.int32: torch.float32}
-
 _holds_integers: bool | None = None  # fsdp_holds_integers' answer, once per process
 
 
@@ -186,19 +182,19 @@ def storage_for_units(model: nn.Module, blocks: list[nn.Module], in_place: list[
     keeps its integer dtypes: a compiled graph that views the fp32 scale carrier back as int32 and again as
     fp32 (the views fold away) fails the compiler's partitioner when the checkpoint is traced into the graph."""
     in_blocks = {id(m) for b in blocks for m in b.modules()}
-    assert all(id(m) in in_blocks for m in model.modules() if isinstance(m, QUANTIZED_LINEARS)), \
+    assert all(id(m) in in_blocks for m in model.modules() if isinstance(m, QuantizedLinear)), \
         "quantized storage outside the blocks would join a unit that casts (embedding, head or root)"
     if fsdp_holds_integers(mesh):
         return
     kept = {id(m) for b in in_place for m in b.modules()}
     for module in model.modules():
-        if isinstance(module, QUANTIZED_LINEARS) and id(module) not in kept:
+        if isinstance(module, QuantizedLinear) and id(module) not in kept:
             carry_storage_in_float(module)
 
 
-def carry_storage_in_float(layer: nn.Module) -> None:
+def carry_storage_in_float(layer: QuantizedLinear) -> None:
     """Re-register a quantized layer's integer storage (codes, scales) as float parameters viewing the same
-    bytes (`CARRIERS`), before FSDP2 takes the layer; the dequantizers view them back (quant/nf4.py, hqq.py).
+    bytes (the layer's `CARRIERS`), before FSDP2 takes the layer; its `dequantize` views them back.
 
     Why: an FSDP2 that cannot hold an integer parameter (`fsdp_holds_integers`) still takes these, and shards,
     groups and prefetches them with the rest of the block (DTensor buffers are gathered layer by layer on use).
@@ -209,7 +205,7 @@ def carry_storage_in_float(layer: nn.Module) -> None:
     too). Both are FSDP2's internals, so `check_storage_gather` verifies the bytes at build time."""
     for name in layer.STORAGE:
         param = layer._parameters[name]
-        carrier = CARRIERS[param.dtype]
+        carrier = layer.CARRIERS[name]
         row_bytes = param.shape[-1] * param.element_size()
         if row_bytes % carrier.itemsize:
             raise QShardError(
@@ -275,7 +271,7 @@ UnitKind = tuple[tuple[torch.dtype, ...], tuple[tuple[torch.dtype, bool], ...]]
 def _unit_kind(block: nn.Module) -> UnitKind:
     """A quantized block's storage dtypes (those of its first quantized layer), and the (dtype, requires_grad)
     kinds of its other parameters: what decides how FSDP2 copies the unit's all-gather inputs."""
-    layers = [m for m in block.modules() if isinstance(m, QUANTIZED_LINEARS)]
+    layers = [m for m in block.modules() if isinstance(m, QuantizedLinear)]
     storage = tuple(getattr(layers[0], name).dtype for name in layers[0].STORAGE)
     ids = {id(getattr(m, name)) for m in layers for name in m.STORAGE}
     others = sorted({(p.dtype, p.requires_grad) for p in block.parameters() if id(p) not in ids}, key=str)
@@ -335,7 +331,7 @@ def check_storage_units(blocks: list[nn.Module], mesh: DeviceMesh, parallel: Par
 # Quantized storage outside FSDP2: DTensor buffers.
 
 def shard_as_dtensor_buffers(layer: nn.Module, mesh: DeviceMesh) -> None:
-    """Move a quantized layer's codes and scales (NF4 or HQQ) out of FSDP2's reach into dim-0-sharded DTensor buffers:
+    """Move a quantized layer's codes and scales out of FSDP2's reach into dim-0-sharded DTensor buffers:
     each rank still stores 1/shard-group of them and gathers them, still 4-bit, when the layer runs.
     On a 2-D mesh (hybrid, none) they are replicated across the first dim, as FSDP2 places its params."""
     placements = shard_placements(mesh)

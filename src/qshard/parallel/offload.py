@@ -5,7 +5,7 @@ block's shards to the GPU for its all-gather, and the optimizer then steps on th
 materialized and loaded on the GPU (each rank's shards, as without offload); FSDP2 moves the shards to
 pinned CPU memory when the first forward initializes it.
 
-Quantized storage under `quant_sharding: dtensor`: the NF4/HQQ codes and scales are outside FSDP2, so its
+Quantized storage under `quant_sharding: dtensor`: the quantized codes and scales are outside FSDP2, so its
 policy does not move them; `offload_quantized_storage` does. Each rank's shards live in host memory
 (pinned when CUDA is present) from the start, one flat buffer per transformer block, and are never
 materialized on the GPU as a whole: `StorageWindow` copies one block's buffer to the GPU when the block
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from qshard.config import Config, ParallelConfig
 from qshard.parallel.mesh import local_piece
-from qshard.quant import QUANTIZED_LINEARS
+from qshard.quant import QuantizedLinear
 
 
 def offload_policy(parallel: ParallelConfig) -> OffloadPolicy:
@@ -58,7 +58,7 @@ class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, tensor: torch.Tensor):
         # Model storage saved for backward stays put: parameters, and the DTensor buffers that hold the
-        # NF4/HQQ shards under quant_sharding: dtensor (copying those out and back each step is all cost).
+        # quantized shards under quant_sharding: dtensor (copying those out and back each step is all cost).
         if tensor.device.type != "cuda" or isinstance(tensor, (nn.Parameter, DTensor)):
             return tensor
         self.stream.wait_stream(torch.cuda.current_stream())  # the copy must see the finished values
@@ -229,10 +229,10 @@ def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device:
     per block, and make the layer fetch them through a `StorageWindow`. The shards become plain attributes
     of the layer, outside its buffers: `model.to_empty(device=...)` then leaves them where they are, so the
     quantized model is never materialized on the GPU, and loading writes each shard straight to host memory."""
-    in_blocks = [[m for m in block.modules() if isinstance(m, QUANTIZED_LINEARS)] for block in blocks]
+    in_blocks = [[m for m in block.modules() if isinstance(m, QuantizedLinear)] for block in blocks]
     seen = {id(m) for layers in in_blocks for m in layers}
     # Quantized layers outside the blocks (none in the models qshard builds today) form units of their own.
-    rest = [[m] for m in model.modules() if isinstance(m, QUANTIZED_LINEARS) and id(m) not in seen]
+    rest = [[m] for m in model.modules() if isinstance(m, QuantizedLinear) and id(m) not in seen]
     groups = [layers for layers in in_blocks + rest if layers]
     if not groups:
         return None

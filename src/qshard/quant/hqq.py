@@ -18,11 +18,10 @@ rows, so FSDP2's dim-0 shards hold whole groups with their scales and zeros.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from qshard.quant.matmul import RefetchingMatmul
-from qshard.quant.nf4 import full_storage
+from qshard.config import QuantConfig
+from qshard.quant.linear import QuantizedLinear
 
 BITS = (4, 3, 2)
 # The solver's settings: HQQ's published defaults (p = 0.7, beta 10 growing by 1% per iteration, 20 rounds).
@@ -157,12 +156,13 @@ def dequantize_hqq(packed: torch.Tensor, scale_zero: torch.Tensor, bits: int, dt
 # The layer.
 
 
-class HQQLinear(nn.Module):
-    """A frozen linear layer stored in HQQ. Parameters (not buffers) so that FSDP2 shards them."""
+class HQQLinear(QuantizedLinear):
+    """A frozen linear layer stored in HQQ: packed codes and each group's fp16 scale and zero."""
 
     STORAGE = ("packed", "scale_zero")
-    # Set at build time (parallel/offload.py) when the storage is kept in host memory.
-    offloaded = None
+    # Codes in bf16 elements of two bytes; each scale-and-zero pair as one fp32 element.
+    CARRIERS = {"packed": torch.bfloat16, "scale_zero": torch.float32}
+    BITS = BITS
 
     def __init__(
         self,
@@ -174,55 +174,30 @@ class HQQLinear(nn.Module):
         bias_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
         if bits not in BITS:
             raise ValueError(f"HQQ bits must be one of {BITS}, got {bits}")
         if in_features % group_size or group_size % 8:
             raise ValueError(f"in_features {in_features} is not a multiple of the HQQ group size {group_size}")
-        self.in_features, self.out_features = in_features, out_features
+        storage = {"packed": (in_features * bits // 8, torch.uint8),
+                   "scale_zero": (in_features // group_size, torch.int32)}
+        super().__init__(in_features, out_features, bias, storage, bias_dtype=bias_dtype, device=device)
         self.bits, self.group_size = bits, group_size
-        packed = torch.empty(out_features, in_features * bits // 8, dtype=torch.uint8, device=device)
-        scale_zero = torch.empty(out_features, in_features // group_size, dtype=torch.int32, device=device)
-        self.packed = nn.Parameter(packed, requires_grad=False)
-        self.scale_zero = nn.Parameter(scale_zero, requires_grad=False)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
 
     @classmethod
-    def like(cls, linear: nn.Linear, bits: int, group_size: int, bias_dtype: torch.dtype) -> HQQLinear:
-        """An empty HQQLinear on `linear`'s device with its shape (weights are loaded later)."""
-        return cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            bits,
-            group_size,
-            bias_dtype=bias_dtype,
-            device=linear.weight.device,
-        )
+    def can_quantize(cls, in_features: int, quant: QuantConfig) -> bool:
+        return in_features % quant.blocksize == 0
+
+    @classmethod
+    def from_config(cls, in_features: int, out_features: int, bias: bool, quant: QuantConfig,
+                    bias_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> HQQLinear:
+        return cls(in_features, out_features, bias, quant.bits, quant.blocksize, bias_dtype=bias_dtype, device=device)
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        """This layer's full storage for `weight`, by parameter name (the loader shards it into place)."""
         packed, scale_zero = quantize_hqq(weight, self.bits, self.group_size)
         return {"packed": packed, "scale_zero": scale_zero}
 
-    @torch.no_grad()
-    def set_weight(self, weight: torch.Tensor) -> None:
-        """Quantize a full weight into this (unsharded) layer's storage."""
-        for name, tensor in self.quantize(weight).items():
-            getattr(self, name).view(tensor.dtype).copy_(tensor)
-
-    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        # RefetchingMatmul saves only the layer and fetches again in backward: offloaded storage needs nothing more.
-        return dequantize_hqq(*full_storage(self), self.bits, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = RefetchingMatmul.apply(x, self)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+    def dequantize(self, storage: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_hqq(*storage, self.bits, dtype)
 
     def extra_repr(self) -> str:
         bits = self.bits + 32 / self.group_size

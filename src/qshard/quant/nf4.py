@@ -17,11 +17,11 @@ dim-0 shards always hold whole blocks and their own scales.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from bitsandbytes import functional as bnbf
-from torch.distributed.tensor import DTensor
 
+from qshard.config import QuantConfig
+from qshard.quant.linear import QuantizedLinear, gathered
 from qshard.quant.matmul import RefetchingMatmul
 
 # The 16 NF4 levels (bitsandbytes' table, as fp32 values).
@@ -72,28 +72,6 @@ def _dequantize(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch.dt
     return dequantize_nf4(packed, absmax_bits, dtype)
 
 
-def can_quantize(linear: nn.Linear, blocksize: int) -> bool:
-    return linear.in_features % blocksize == 0
-
-
-def _gathered(t: torch.Tensor) -> torch.Tensor:
-    # Under FSDP2 the block's pre-forward all-gather has already put full tensors here; storage sharded
-    # as DTensor buffers (torch versions whose FSDP2 refuses integer params) is gathered on use. A mesh
-    # of one holds everything locally: skipping DTensor's dispatch there saves CPU time in every call.
-    if not isinstance(t, DTensor):
-        return t
-    return t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
-
-
-def full_storage(layer: nn.Module) -> tuple[torch.Tensor, ...]:
-    """A quantized layer's whole storage (`layer.STORAGE`, in that order) on the compute device. Where
-    `parallel.cpu_offload` put it in host memory, `layer.offloaded` (parallel/offload.py, attached at build
-    time) brings this rank's shards over and gathers them; otherwise the layer's own tensors are gathered."""
-    if layer.offloaded is not None:
-        return layer.offloaded.full()
-    return tuple(_gathered(getattr(layer, name)) for name in layer.STORAGE)
-
-
 class _NF4Matmul(torch.autograd.Function):
     """y = x W^T with W dequantized on the fly; backward dequantizes again instead of saving W, so the
     activation memory of a frozen layer is its input only. The storage saved for backward is the layer's own
@@ -102,23 +80,25 @@ class _NF4Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(packed, absmax)
-        return F.linear(x, _dequantize(_gathered(packed), _gathered(absmax), x.dtype))
+        return F.linear(x, _dequantize(gathered(packed), gathered(absmax), x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_x = None
         if ctx.needs_input_grad[0]:
             packed, absmax = ctx.saved_tensors
-            grad_x = grad_out @ _dequantize(_gathered(packed), _gathered(absmax), grad_out.dtype)
+            grad_x = grad_out @ _dequantize(gathered(packed), gathered(absmax), grad_out.dtype)
         return grad_x, None, None
 
 
-class NF4Linear(nn.Module):
-    """A frozen linear layer stored in NF4. Parameters (not buffers) so that FSDP2 shards them."""
+class NF4Linear(QuantizedLinear):
+    """A frozen linear layer stored in NF4: packed codes and each block's absmax bits."""
 
     STORAGE = ("packed", "absmax")
-    # Set at build time (parallel/offload.py) when the storage is kept in host memory.
-    offloaded = None
+    # Codes two to a bf16 element; scales (fp32 bits kept as int32) as the fp32 values they are.
+    CARRIERS = {"packed": torch.bfloat16, "absmax": torch.float32}
+    BITS = (4,)
+    EXPERTS = True
 
     def __init__(
         self,
@@ -129,40 +109,27 @@ class NF4Linear(nn.Module):
         bias_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
         if in_features % blocksize:
             raise ValueError(f"in_features {in_features} is not a multiple of the NF4 blocksize {blocksize}")
-        self.in_features, self.out_features, self.blocksize = in_features, out_features, blocksize
-        packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
-        absmax = torch.empty(out_features, in_features // blocksize, dtype=torch.int32, device=device)
-        self.packed = nn.Parameter(packed, requires_grad=False)
-        self.absmax = nn.Parameter(absmax, requires_grad=False)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
+        storage = {"packed": (in_features // 2, torch.uint8), "absmax": (in_features // blocksize, torch.int32)}
+        super().__init__(in_features, out_features, bias, storage, bias_dtype=bias_dtype, device=device)
+        self.blocksize = blocksize
 
     @classmethod
-    def like(cls, linear: nn.Linear, blocksize: int, bias_dtype: torch.dtype) -> NF4Linear:
-        """An empty NF4Linear on `linear`'s device with its shape (weights are loaded later)."""
-        return cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            blocksize,
-            bias_dtype=bias_dtype,
-            device=linear.weight.device,
-        )
+    def can_quantize(cls, in_features: int, quant: QuantConfig) -> bool:
+        return in_features % quant.blocksize == 0
 
-    @torch.no_grad()
-    def set_weight(self, weight: torch.Tensor) -> None:
-        """Quantize a full weight into this (unsharded) layer's storage."""
+    @classmethod
+    def from_config(cls, in_features: int, out_features: int, bias: bool, quant: QuantConfig,
+                    bias_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> NF4Linear:
+        return cls(in_features, out_features, bias, quant.blocksize, bias_dtype=bias_dtype, device=device)
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         packed, absmax = quantize_nf4(weight, self.blocksize)
-        self.packed.view(packed.dtype).copy_(packed)
-        self.absmax.view(absmax.dtype).copy_(absmax)
+        return {"packed": packed, "absmax": absmax}
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return _dequantize(*full_storage(self), dtype)
+    def dequantize(self, storage: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        return _dequantize(*storage, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offloaded is None:
