@@ -36,13 +36,22 @@ def cli(*args: str) -> list[str]:
 
 
 def spawn(fn, args: tuple, nprocs: int = 2, join: bool = True):
-    """`torch.multiprocessing.spawn(fn, args, nprocs)` (the context, unjoined, with join=False), whose
-    processes exit without the interpreter's final garbage collections: these walk every object torch and
-    transformers made, ~2 s of CPU per process on a 2-core CI machine, and a rank has written its results
-    by then."""
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` (the context, unjoined, with join=False), but forked
+    from a server process that has imported qshard's training stack once (importing it costs each fresh
+    process ~7 s of CPU on a 2-core machine, more than most ranks here then run), and whose processes exit
+    without the interpreter's final garbage collections (they walk every object torch and transformers made,
+    ~2 s of CPU per process; a rank has written its results by then)."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    return mp.start_processes(_then_freeze, args=(fn, *args), nprocs=nprocs, join=join, start_method="spawn")
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return mp.start_processes(_then_freeze, args=(fn, *args), nprocs=nprocs, join=join, start_method="forkserver")
+
+
+# What the fork server imports before it forks any rank: the modules every rank's work imports. Nothing here
+# may run a parallel region in the server (forked processes would inherit a dead OpenMP pool).
+FORKSERVER_PRELOAD = ["torch.distributed.checkpoint", "transformers", "qshard.train.run", "qshard.export"]
 
 
 def device_batch(trainer, indices: list[int]) -> dict:
