@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, cli_env
+from conftest import cli, cli_env, run_on_ranks
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -60,6 +60,16 @@ def _run_here(args, capsys):
     capsys.readouterr()
     code = cli_main(args[3:])
     return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
+
+
+def _run_on_2_ranks(args):
+    """`args` (with --nproc 2) through `qshard.cli.main` on two spawned ranks set up as the launcher's (the
+    launcher itself is tested in test_launcher.py): rank 0's stderr, which holds the log."""
+    assert args[:3] == cli()
+    ranks = run_on_ranks({"run": args[3:]})["run"]
+    for rank, run in enumerate(ranks):
+        assert run.code == 0, (rank, run.stderr)
+    return ranks[0].stderr
 
 
 def _losses(out):
@@ -131,9 +141,8 @@ def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path, caps
     """Saved by 2 ranks, resumed by 1 with the same global batch: DCP reshards, the data order goes on.
     (No dropout here: its masks depend on how the batch is split over ranks.)"""
     two = tmp_path / "ws2"
-    proc = _run(_args(tiny_models("llama"), two, "--nproc", "2", "--batch-size", "1", "--save-every", "6",
-                      "--checkpoint.keep_last", "5", "--lora.dropout", "0"))
-    assert proc.returncode == 0, proc.stderr
+    _run_on_2_ranks(_args(tiny_models("llama"), two, "--nproc", "2", "--batch-size", "1", "--save-every", "6",
+                          "--checkpoint.keep_last", "5", "--lora.dropout", "0"))
     one = tmp_path / "ws1"
     resumed = _run_here(_args(tiny_models("llama"), one, "--resume", str(two / "checkpoints" / "step-00000012"),
                               "--lora.dropout", "0", "--save-every", "6"), capsys)
@@ -143,10 +152,9 @@ def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path, caps
     # And back: world size 1 keeps the quantized blocks' LoRA weights as plain tensors (no FSDP2 unit), which
     # 2 ranks read back as their DTensor shards.
     again = tmp_path / "ws2-again"
-    proc = _run(_args(tiny_models("llama"), again, "--nproc", "2", "--batch-size", "1", "--lora.dropout", "0",
-                      "--resume", str(one / "checkpoints" / "step-00000018")))
-    assert proc.returncode == 0, proc.stderr
-    assert "at step 18" in proc.stderr
+    stderr = _run_on_2_ranks(_args(tiny_models("llama"), again, "--nproc", "2", "--batch-size", "1", "--lora.dropout",
+                                   "0", "--resume", str(one / "checkpoints" / "step-00000018")))
+    assert "at step 18" in stderr
     torch.testing.assert_close(torch.tensor(_losses(again)), torch.tensor(_losses(two)[18:]), rtol=1e-5, atol=1e-5)
 
 
