@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
+import json
 import logging
 import os
+import socket
 import sys
+import tempfile
+import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -52,6 +59,67 @@ def spawn(fn, args: tuple, nprocs: int = 2, join: bool = True):
 # What the fork server imports before it forks any rank: the modules every rank's work imports. Nothing here
 # may run a parallel region in the server (forked processes would inherit a dead OpenMP pool).
 FORKSERVER_PRELOAD = ["torch.distributed.checkpoint", "transformers", "qshard.train.run", "qshard.export"]
+
+
+class RankRun(typing.NamedTuple):
+    """One rank's end of one command line run by `run_on_ranks`."""
+
+    code: int  # what qshard.cli.main returned
+    stderr: str  # what the rank wrote to sys.stderr meanwhile (its log, its error lines)
+
+
+def run_on_ranks(runs: dict[str, list[str]], nprocs: int = 2, before=None, timeout_s: float = 300
+                 ) -> dict[str, list[RankRun]]:
+    """Run each of `runs` (name -> a `qshard` command line) through `qshard.cli.main` on `nprocs` ranks, in turn,
+    in one group of spawned processes set up as torchrun sets up the processes `qshard train --nproc N` starts
+    (each run on a port of its own): one process start serves every run, where `--nproc` would pay Python's and
+    torch's imports again for the launcher and each rank of each run. `before(rank)`, a module-level function,
+    runs first in each rank. Returns {name: [each rank's RankRun]}; kills the ranks and fails the test if they
+    have not finished `timeout_s` seconds per run after the start."""
+    with tempfile.TemporaryDirectory(prefix="qshard-ranks-") as results:
+        context = spawn(_cli_rank, (nprocs, runs, _free_ports(len(runs)), before, results), nprocs=nprocs,
+                        join=False)
+        deadline = time.monotonic() + timeout_s * len(runs)
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"the ranks did not finish {list(runs)} in time; finished: {_rank_results(results)}")
+        found = _rank_results(results)
+    return {name: [RankRun(**found[rank][name]) for rank in range(nprocs)] for name in runs}
+
+
+def _cli_rank(rank: int, nprocs: int, runs: dict[str, list[str]], ports: list[int], before, results: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(nprocs))
+    if before is not None:
+        before(rank)
+    from qshard.cli import main
+
+    done = {}
+    for (name, argv), port in zip(runs.items(), ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            code = main(argv)
+        done[name] = {"code": code, "stderr": stderr.getvalue()}
+        # Rewritten after each run: a test that runs out of time still shows what finished.
+        Path(results, f"rank{rank}.json").write_text(json.dumps(done))
+
+
+def _rank_results(results: str) -> dict[int, dict]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(results).glob("rank*.json")}
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:  # all bound at once: n different ports
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def device_batch(trainer, indices: list[int]) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, cli_env
+from conftest import cli, cli_env, run_on_ranks
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -46,20 +46,28 @@ def _args(model_dir, out, *extra):
     )
 
 
-def _run(args, **kw):
-    proc = subprocess.run(args, env=cli_env(), capture_output=True, text=True, timeout=300, **kw)
-    return proc
-
-
 def _run_here(args, capsys):
     """`args` through `qshard.cli.main` in this process: the same path from argv to exit code and stderr as
-    `_run`, without starting Python and importing torch again (most of a short run's time). For runs that
-    need no process of their own (a signal, a resource limit) and whose losses are not compared bit for bit
-    with another process's."""
+    `_run_spawned`, without a process start. For runs that need no process of their own (a signal, a resource
+    limit) and whose losses are not compared bit for bit with another process's."""
     assert args[:3] == cli()
     capsys.readouterr()
     code = cli_main(args[3:])
     return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
+
+
+def _run_spawned(args, before=None):
+    """`args` (a `python -m qshard` command line; with `--nproc N`, on N ranks) in processes of their own: through
+    `qshard.cli.main` in processes spawned and set up as torchrun sets them up (run_on_ranks; the launcher itself
+    is tested in test_launcher.py), without starting Python and importing torch again (most of a short run's
+    time). `before(rank)` runs first in each. Rank 0's exit code and stderr (which holds the log); every other
+    rank must exit as rank 0 did."""
+    assert args[:3] == cli()
+    nprocs = int(args[args.index("--nproc") + 1]) if "--nproc" in args else 1
+    rank0, *others = run_on_ranks({"run": args[3:]}, nprocs, before)["run"]
+    for rank, run in enumerate(others, 1):
+        assert run.code == rank0.code, (rank, run.stderr)
+    return subprocess.CompletedProcess(args, rank0.code, "", rank0.stderr)
 
 
 def _losses(out):
@@ -82,7 +90,7 @@ def _start_and_interrupt(args, out, when, sig):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_models):
     out = tmp_path_factory.mktemp("full") / "run"
-    proc = _run(_args(tiny_models("llama"), out, "--save-every", "6", "--checkpoint.keep_last", "5"))
+    proc = _run_spawned(_args(tiny_models("llama"), out, "--save-every", "6", "--checkpoint.keep_last", "5"))
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -99,7 +107,7 @@ def test_preempted_run_resumes_bit_for_bit(uninterrupted, tiny_models, tmp_path)
     stopped_at = json.loads((saved / STATE_FILE).read_text())["step"]
     assert 3 <= stopped_at < STEPS and len(_losses(out)) == stopped_at
 
-    resumed = _run(args + ["--resume", "auto"])
+    resumed = _run_spawned(args + ["--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {stopped_at}" in resumed.stderr
     assert _losses(out) == _losses(uninterrupted)  # bit for bit, dropout included
@@ -119,7 +127,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(uninterrupted, tiny_model
     assert proc.returncode == -signal.SIGKILL
     done = complete_checkpoints(out / "checkpoints")
     assert done and all((p / STATE_FILE).is_file() and (p / "config.yaml").is_file() for p in done)
-    resumed = _run(args + ["--resume", "auto"])
+    resumed = _run_spawned(args + ["--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr
     last = json.loads((done[-1] / STATE_FILE).read_text())["step"] if done[-1].exists() else None
     assert last is None or f"at step {last}" in resumed.stderr
@@ -131,8 +139,8 @@ def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path, caps
     """Saved by 2 ranks, resumed by 1 with the same global batch: DCP reshards, the data order goes on.
     (No dropout here: its masks depend on how the batch is split over ranks.)"""
     two = tmp_path / "ws2"
-    proc = _run(_args(tiny_models("llama"), two, "--nproc", "2", "--batch-size", "1", "--save-every", "6",
-                      "--checkpoint.keep_last", "5", "--lora.dropout", "0"))
+    proc = _run_spawned(_args(tiny_models("llama"), two, "--nproc", "2", "--batch-size", "1", "--save-every", "6",
+                              "--checkpoint.keep_last", "5", "--lora.dropout", "0"))
     assert proc.returncode == 0, proc.stderr
     one = tmp_path / "ws1"
     resumed = _run_here(_args(tiny_models("llama"), one, "--resume", str(two / "checkpoints" / "step-00000012"),
@@ -143,8 +151,8 @@ def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path, caps
     # And back: world size 1 keeps the quantized blocks' LoRA weights as plain tensors (no FSDP2 unit), which
     # 2 ranks read back as their DTensor shards.
     again = tmp_path / "ws2-again"
-    proc = _run(_args(tiny_models("llama"), again, "--nproc", "2", "--batch-size", "1", "--lora.dropout", "0",
-                      "--resume", str(one / "checkpoints" / "step-00000018")))
+    proc = _run_spawned(_args(tiny_models("llama"), again, "--nproc", "2", "--batch-size", "1", "--lora.dropout", "0",
+                              "--resume", str(one / "checkpoints" / "step-00000018")))
     assert proc.returncode == 0, proc.stderr
     assert "at step 18" in proc.stderr
     torch.testing.assert_close(torch.tensor(_losses(again)), torch.tensor(_losses(two)[18:]), rtol=1e-5, atol=1e-5)
@@ -267,17 +275,19 @@ def test_full_disk_during_save_leaves_previous_checkpoint(tiny_models, tmp_path,
     assert first.returncode == 0, first.stderr
     before = {p.name: (p / STATE_FILE).read_bytes() for p in complete_checkpoints(out / "checkpoints")}
 
-    def small_files():  # a 'disk' that takes no file over 64 KiB: the checkpoint shard does not fit
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
-
     more = _args(tiny_models("llama"), out, "--max-steps", "8", "--save-every", "2", "--checkpoint.async_save",
                  "false", "--resume", "auto")
-    proc = _run(more, preexec_fn=small_files)
+    proc = _run_spawned(more, before=_small_files)
     assert "saving checkpoint" in _error_line(proc)
     after = {p.name: (p / STATE_FILE).read_bytes() for p in complete_checkpoints(out / "checkpoints")}
     assert after == before  # the earlier checkpoints are untouched, and no partial one counts
     assert not (out / "summary.json").exists()
+
+
+def _small_files(rank: int) -> None:
+    """A 'disk' that takes no file over 64 KiB: the checkpoint shard does not fit."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
 
 @pytest.mark.parametrize("how", ["fsdp", "dtensor"])

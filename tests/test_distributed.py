@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import cli, cli_env, spawn
+from conftest import cli, cli_env, run_on_ranks, spawn
 from safetensors.torch import load_file
 
 
@@ -17,7 +17,7 @@ def _losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(tmp_path, tiny_models, name, nproc, grad_accum, quant_sharding="fsdp"):
+def _train(tmp_path, tiny_models, name, nproc, grad_accum, quant_sharding="fsdp", launcher=False):
     out = tmp_path / name
     args = cli(
         "train", "--model", str(tiny_models("llama")), "--output-dir", str(out),
@@ -32,8 +32,12 @@ def _train(tmp_path, tiny_models, name, nproc, grad_accum, quant_sharding="fsdp"
 
         assert main(args[3:]) == 0
         return out
-    proc = subprocess.run(args, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    if launcher:  # the command as a user types it: the launcher and the processes it starts
+        proc = subprocess.run(args, env=cli_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return out
+    for rank, run in enumerate(run_on_ranks({name: args[3:]}, nprocs=nproc)[name]):
+        assert run.code == 0, (rank, run.stderr)
     return out
 
 
@@ -42,12 +46,16 @@ def ws1_run(tmp_path_factory, tiny_models):
     return _train(tmp_path_factory.mktemp("ws1"), tiny_models, "ws1", nproc=1, grad_accum=2)
 
 
-@pytest.mark.parametrize("quant_sharding", ["fsdp", "dtensor"])
-def test_world_size_2_matches_world_size_1(ws1_run, tmp_path, tiny_models, quant_sharding):
+# The suite's one ordinary end-to-end `qshard train --nproc 2` through the launcher (test_launcher signals and
+# kills its runs); the other world-size-2 runs start their ranks as it does, without its process starts.
+@pytest.mark.parametrize(("quant_sharding", "launcher"), [("fsdp", True), ("dtensor", False)],
+                         ids=["fsdp-launcher", "dtensor-ranks"])
+def test_world_size_2_matches_world_size_1(ws1_run, tmp_path, tiny_models, quant_sharding, launcher):
     """Same global batch (2 ranks x 1 micro-batch vs 1 rank x 2 micro-batches): same losses and adapters,
     with the NF4 storage sharded by FSDP2 or by DTensor buffers."""
     one = ws1_run
-    two = _train(tmp_path, tiny_models, "ws2", nproc=2, grad_accum=1, quant_sharding=quant_sharding)
+    two = _train(tmp_path, tiny_models, "ws2", nproc=2, grad_accum=1, quant_sharding=quant_sharding,
+                 launcher=launcher)
     l1, l2 = _losses(one), _losses(two)
     assert len(l1) == len(l2) == 4
     torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-5, atol=1e-5)

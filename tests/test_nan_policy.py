@@ -1,30 +1,26 @@
 """NaN and infinity: in the frozen weights a model is loaded from, in a training step's loss or gradients
 (`train.nan_policy`), in the held-out loss. Never a run that finishes looking sound with NaN weights.
 
-Every run goes through `qshard.cli.main` in this process (argv to exit code and stderr, as the command)."""
+Every run goes through `qshard.cli.main` (argv to exit code and stderr, as the command): in this process,
+the two-rank one in spawned ranks."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from importlib import resources
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from conftest import run_on_ranks
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from qshard import cli
 from qshard.checkpoint import STATE_FILE, complete_checkpoints
-
-# The source of the qshard this process imported, for the processes it starts.
-SRC = str(Path(cli.__file__).resolve().parents[1])
 
 DEMO_TRAIN = resources.files("qshard") / "demo_data" / "train.jsonl"
 # Adapters moved by a learning rate this large hold values no fp32 forward survives: step 1 starts from the
@@ -58,6 +54,15 @@ def nan_embeddings(when):
     """The embedding output becomes NaN at the embedding's calls (counted from 1, training and held-out alike)
     for which `when(call, module)` holds: what an overflow in one batch's forward leaves, without touching
     qshard's code (a global module hook of torch's)."""
+    handle = _hook_embeddings(when)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _hook_embeddings(when):
+    """nan_embeddings' hook, installed until its handle is removed."""
     calls = 0
 
     def hook(module, args, output):
@@ -67,11 +72,7 @@ def nan_embeddings(when):
         calls += 1
         return output * float("nan") if when(calls, module) else None
 
-    handle = nn.modules.module.register_module_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+    return nn.modules.module.register_module_forward_hook(hook)
 
 
 # --------------------------------------------------------------------------------------------- frozen weights
@@ -192,37 +193,25 @@ def test_skip_step_leaves_the_weights_and_optimizer_state_unchanged(tiny_models,
     assert steps == [1, 2, 3]
 
 
-# Python runs a sitecustomize module at the start of every process: here, only in rank 1's.
-NAN_ON_RANK_1_AT_STEP_2 = """
-import os
-if os.environ.get("RANK") == "1":
-    import torch.nn as nn
-    calls = [0]
-    def hook(module, args, output):
-        if isinstance(module, nn.Embedding) and module.training:
-            calls[0] += 1
-            if calls[0] == 2:
-                return output * float("nan")
-    nn.modules.module.register_module_forward_hook(hook)
-"""
+def _nan_on_rank_1_at_step_2(rank: int) -> None:
+    """In rank 1 only, for the rest of the process: NaN out of the embedding's second call, step 2's forward
+    (the run evaluates nothing)."""
+    if rank == 1:
+        _hook_embeddings(lambda call, module: call == 2)
 
 
 def test_nan_on_one_rank_is_skipped_on_every_rank(tiny_models, tmp_path):
-    """Two ranks (gloo, through `--nproc 2`), a NaN in rank 1's forward of step 2 only: both ranks leave the
-    update out, so the adapters and AdamW's state are those of step 1, and the run finishes."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(NAN_ON_RANK_1_AT_STEP_2)
+    """Two ranks (gloo, set up as `--nproc 2` sets them up), a NaN in rank 1's forward of step 2 only: both ranks
+    leave the update out, so the adapters and AdamW's state are those of step 1, and the run finishes."""
     out = tmp_path / "out"
     args = ["train", "--model", str(tiny_models("llama")), "--data", str(DEMO_TRAIN), "--output-dir", str(out),
             "--max-length", "32", "--train.precision", "fp32", "--data.eval_fraction", "0", "--max-steps", "3",
             "--nproc", "2", "--train.nan_policy", "skip_step", "--save-every", "1", "--checkpoint.keep_last", "3"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env.update(PYTHONPATH=os.pathsep.join([str(inject), SRC]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "qshard", *args], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count("step 2: the loss is nan") == 1, proc.stderr  # rank 0's warning only
+    ranks = run_on_ranks({"run": args}, before=_nan_on_rank_1_at_step_2)["run"]
+    for rank, run in enumerate(ranks):
+        assert run.code == 0, (rank, run.stderr)
+    stderr = "".join(run.stderr for run in ranks)  # what the launcher's stderr would hold
+    assert stderr.count("step 2: the loss is nan") == 1, stderr  # rank 0's warning only
     assert [(r["step"], r["skipped"]) for r in metrics(out)] == [(1, False), (2, True), (3, False)]
     first, second, third = (_state(c, tmp_path) for c in complete_checkpoints(out / "checkpoints"))
     assert all(torch.equal(first[k], second[k]) for k in first)

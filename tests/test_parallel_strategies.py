@@ -4,11 +4,10 @@ each gives world size 1's losses in fp32, and its DCP checkpoint loads back (at 
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
-from conftest import cli, cli_env
+from conftest import run_on_ranks
 from safetensors.torch import load_file
 
 from qshard.config import Config, from_dict, resolve
@@ -59,18 +58,6 @@ def _options(out, model_dir, data, nproc) -> list[str]:
         "--optim.warmup_steps",
         "0",
     ]
-
-
-def _train(out, model_dir, data, nproc, *extra):
-    proc = subprocess.run(
-        cli("train", *_options(out, model_dir, data, nproc), *extra),
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +113,26 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def strategies(tmp_path_factory, tiny_models, data_file):
+    """Each variant's run through the CLI's entry point, those of a world size in one group of spawned ranks
+    (run_on_ranks). Returns {variant: (output dir, each rank's RankRun)}."""
+    root = tmp_path_factory.mktemp("strategies")
+    done = {}
+    for world in sorted({nproc for nproc, *_ in VARIANTS.values()}):
+        runs = {variant: ["train", *_options(root / variant, tiny_models("llama"), data_file, nproc), *extra]
+                for variant, (nproc, *extra) in VARIANTS.items() if nproc == world}
+        done.update({variant: (root / variant, ranks) for variant, ranks in run_on_ranks(runs, world).items()})
+    return done
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_strategy_matches_world_size_1_and_its_checkpoint_loads(baseline, tmp_path, tiny_models, data_file, variant):
+def test_strategy_matches_world_size_1_and_its_checkpoint_loads(baseline, strategies, tmp_path, variant):
     from qshard.export_cmd import run_export
 
-    nproc, *extra = VARIANTS[variant]
-    run = _train(tmp_path / variant, tiny_models("llama"), data_file, nproc, *extra)
+    run, ranks = strategies[variant]
+    for rank, (code, stderr) in enumerate(ranks):
+        assert code == 0, (rank, stderr)
     expected, found = _losses(baseline), _losses(run)
     assert len(found) == STEPS
     torch.testing.assert_close(torch.tensor(found), torch.tensor(expected), rtol=1e-5, atol=1e-5)

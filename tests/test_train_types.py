@@ -4,17 +4,12 @@ world size 1's step by step (same global batch: 2 ranks x 1 micro-batch against 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
-import socket
-import time
 from importlib import resources
 
 import pytest
 import torch
-from conftest import spawn
+from conftest import run_on_ranks
 
 from qshard import config as config_mod
 from qshard.expand import expand_checkpoint
@@ -76,56 +71,19 @@ TRAIN_TYPES = {
 }
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:  # all bound at once: n different ports
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _ws2_rank(rank: int, runs: dict[str, list[str]], ports: list[int], result_dir: str) -> None:
-    """One of two ranks, set up as torchrun sets up the processes `qshard train --nproc 2` starts; it runs
-    `qshard train`'s entry point on each command line in turn, each run in its own process group."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE="2")
-    from qshard.cli import main
-
-    results = {}
-    for (name, argv), port in zip(runs.items(), ports, strict=True):
-        os.environ["MASTER_PORT"] = str(port)
-        stderr = io.StringIO()
-        with contextlib.redirect_stderr(stderr):
-            code = main(argv)
-        results[name] = {"code": code, "stderr": stderr.getvalue()}
-    with open(f"{result_dir}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-
-
 @pytest.fixture(scope="module")
 def world_size_2(options, expanded, tmp_path_factory):
-    """Every train type's world-size-2 run, in one pair of spawned processes: a process start (Python, torch's
-    imports, the launcher) costs far more than such a run, and the launcher is the same for every train type
-    (test_distributed and others run it). Returns {train type: (output dir, {rank: (exit code, stderr)})}."""
+    """Every train type's world-size-2 run, in one pair of spawned ranks (run_on_ranks): the launcher is the same
+    for every train type (test_distributed runs it). Returns {train type: (output dir, {rank: (exit code,
+    stderr)})}."""
     root = tmp_path_factory.mktemp("ws2")
     runs = {}
     for name, extra in TRAIN_TYPES.items():
         extra = [(key, str(expanded) if value == EXPANDED else value) for key, value in extra]
         args = [arg for key, value in options + extra for arg in (f"--{key}", value)]
         runs[name] = ["train", *args, "--nproc", "2", "--train.grad_accum", "1", "--output-dir", str(root / name)]
-    context = spawn(_ws2_rank, (runs, _free_ports(len(runs)), str(root)), join=False)
-    deadline = time.monotonic() + 300 * len(runs)  # what the former per-run subprocesses were allowed
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the world-size-2 runs did not finish in time")
-    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
-    return {name: (root / name, {r: (ranks[r][name]["code"], ranks[r][name]["stderr"]) for r in range(2)})
-            for name in runs}
+    ranks = run_on_ranks(runs)
+    return {name: (root / name, dict(enumerate(ranks[name]))) for name in runs}
 
 
 @pytest.mark.parametrize("name", list(TRAIN_TYPES))
