@@ -20,12 +20,11 @@ from transformers import PreTrainedTokenizerBase
 
 from qshard import checkpoint, data, demo, export, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, describe, load_tokenizer, local_model_dir
+from qshard.build import build_model, describe, local_model_dir, training_tokenizer
 from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, base_model_name
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import Example
 from qshard.errors import QShardError
-from qshard.hf_config import load_hf_config
 from qshard.models import SwapReport
 from qshard.parallel.distributed import (
     DistEnv,
@@ -162,7 +161,7 @@ def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
             log.info("no %s given: running the embedded demo", "model" if no_model else "data")
         _demo_inputs(cfg, env, out)
     model_dir = local_model_dir(cfg, env)
-    tokenizer = _tokenizer(cfg, model_dir)
+    tokenizer = training_tokenizer(cfg, model_dir)
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
     return _Inputs(model_dir, tokenizer, train_examples, eval_examples)
 
@@ -313,25 +312,6 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
 
 # ---------------------------------------------------------------------------------------------------------------
 # What the steps use.
-
-
-def _tokenizer(cfg: Config, model_dir: Path | None):
-    """The model directory's tokenizer (under broadcast loading, from files rank 0 sent), or for a named
-    shape without a directory, the demo tokenizer, whose ids must fit the shape's vocabulary."""
-    if cfg.model.path is None:
-        from qshard.demo_tokenizer import build_demo_tokenizer
-        from qshard.random_model import named_config
-
-        vocab = named_config(cfg.model.shape).vocab_size
-        tokenizer = build_demo_tokenizer()
-        if len(tokenizer) > vocab:
-            raise QShardError(
-                f"model.shape {cfg.model.shape}: its vocabulary of {vocab} tokens is smaller than the demo "
-                f"tokenizer's {len(tokenizer)}; give model.path a directory with a tokenizer that fits"
-            )
-        return tokenizer
-    load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
-    return load_tokenizer(model_dir)
 
 
 def _warn_if_data_order_changes(state: dict, trainer: Trainer, env: DistEnv) -> None:
