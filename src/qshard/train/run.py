@@ -25,6 +25,7 @@ from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, bas
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import Example
 from qshard.errors import QShardError
+from qshard.export_tokenizer import ExportTokenizer, export_tokenizer
 from qshard.models import SwapReport
 from qshard.parallel.distributed import (
     DistEnv,
@@ -136,7 +137,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
                 log.info("preempted: saved step %d; continue with the same command plus --resume auto",
                          fit.records[-1]["step"] if fit.records else run.start_step)
             return RunResult(out, {}, run.model, preempted=True)
-        return RunResult(out, _finish(cfg, env, out, run, fit, started), run.model)
+        return RunResult(out, _finish(cfg, env, out, run, fit, started, inputs.exported), run.model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -151,6 +152,7 @@ class _Inputs:
     tokenizer: PreTrainedTokenizerBase
     train: Sequence[Example]
     eval: Sequence[Example]
+    exported: ExportTokenizer  # what the adapter carries: the tokenizer with its template, the end-of-turn ids
 
 
 def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
@@ -162,8 +164,9 @@ def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
         _demo_inputs(cfg, env, out)
     model_dir = local_model_dir(cfg, env)
     tokenizer = training_tokenizer(cfg, model_dir)
+    exported = export_tokenizer(cfg, tokenizer, model_dir)  # now: its errors must not wait for training's end
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
-    return _Inputs(model_dir, tokenizer, train_examples, eval_examples)
+    return _Inputs(model_dir, tokenizer, train_examples, eval_examples, exported)
 
 
 @dataclass
@@ -269,8 +272,10 @@ def _fit(cfg: Config, env: DistEnv, out: Path, run: _Run, kept_metrics: list[str
             metrics.close()
 
 
-def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, started: float) -> dict:
-    """The adapter (gathered from every rank), then summary.json, written last: it marks the run finished."""
+def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, started: float,
+            exported: ExportTokenizer) -> dict:
+    """The adapter (gathered from every rank) with the tokenizer and generation config, then summary.json,
+    written last: it marks the run finished."""
     trainer = run.trainer
     if run.start_step >= trainer.total_steps and run.first is not None and trainer.eval_examples:
         fit.last = trainer.evaluate()  # nothing was left to train: the loaded weights' loss, not the start's
@@ -279,7 +284,7 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
     if env.is_main:
         if run.report.adapted:
             export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(run.model),
-                                      base_model_name(cfg))
+                                      base_model_name(cfg), exported)
         _write_json_atomic(out / "summary.json", summary)
         first, last = fit.first, fit.last
         if first is not None and last is not None:
