@@ -123,8 +123,13 @@ def test_exported_tokenizer_keeps_the_base_generation_config_and_a_text_run_the_
     exported = export_tokenizer(cfg, tokenizer, tmp_path)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert exported.generation == {"eos_token_id": [im_end, tokenizer.eos_token_id, 7], "temperature": 0.6}
-    assert exported.tokenizer.chat_template == CHATML and tokenizer.chat_template is None
+    assert exported.chat_template == CHATML
+    out = tmp_path / "export"
+    out.mkdir()
+    exported.write(out)
+    assert AutoTokenizer.from_pretrained(out).chat_template == CHATML and tokenizer.chat_template is None
+    assert json.loads((out / "generation_config.json").read_text()) == exported.generation
     cfg.data.format = "text"  # no conversation rendered: no template to carry, the eos ends the text
     exported = export_tokenizer(cfg, tokenizer, tmp_path)
-    assert exported.tokenizer.chat_template is None
+    assert exported.chat_template is None
     assert exported.generation["eos_token_id"] == [tokenizer.eos_token_id, 7]

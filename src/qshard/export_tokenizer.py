@@ -25,7 +25,8 @@ REPLACED_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tok
 
 @dataclass
 class ExportTokenizer:
-    tokenizer: Any  # the tokenizer training used, carrying the chat template it used
+    tokenizer: Any  # the tokenizer training used
+    chat_template: str | None  # the chat template it used, saved as the tokenizer's own
     generation: dict[str, Any]  # generation_config.json's contents
 
     def write(self, dest: Path) -> None:
@@ -33,7 +34,9 @@ class ExportTokenizer:
         replacing the base's copies there."""
         for name in REPLACED_FILES:
             (dest / name).unlink(missing_ok=True)
-        self.tokenizer.save_pretrained(dest)
+        tokenizer = copy.deepcopy(self.tokenizer)  # the training tokenizer is left as it is
+        tokenizer.chat_template = self.chat_template
+        tokenizer.save_pretrained(dest)
         (dest / GENERATION_CONFIG).write_text(json.dumps(self.generation, indent=2) + "\n")
 
 
@@ -43,13 +46,12 @@ def export_tokenizer(cfg: Config, tokenizer: Any, model_dir: Path | None) -> Exp
     and a generation config whose eos_token_id lists the tokens that end a trained answer, then the base's."""
     text_only = plain_text_run(cfg.data)
     encoder = Encoder(tokenizer, cfg.data.chat_template)
-    exported = copy.deepcopy(tokenizer)  # the caller's tokenizer is left as training used it
-    own = getattr(tokenizer, "chat_template", None)
-    if not text_only or own:
+    template = None
+    if not text_only or getattr(tokenizer, "chat_template", None):
         # One template, as a string: an export holds plain files only (several would need a folder of them).
-        exported.chat_template = encoder.template or tokenizer.get_chat_template()
+        template = encoder.template or tokenizer.get_chat_template()
     ends = end_of_turn_ids(encoder, "text" if text_only else "chat")
-    return ExportTokenizer(exported, _generation_config(cfg, model_dir, ends))
+    return ExportTokenizer(tokenizer, template, _generation_config(cfg, model_dir, ends))
 
 
 def plain_text_run(data: DataConfig) -> bool:
