@@ -132,4 +132,6 @@ def test_exported_tokenizer_keeps_the_base_generation_config_and_a_text_run_the_
     cfg.data.format = "text"  # no conversation rendered: no template to carry, the eos ends the text
     exported = export_tokenizer(cfg, tokenizer, tmp_path)
     assert exported.chat_template is None
+    tokenizer.chat_template = EOT_TEMPLATE  # the tokenizer's own stays, whatever data.chat_template says
+    assert export_tokenizer(cfg, tokenizer, tmp_path).chat_template == EOT_TEMPLATE
     assert exported.generation["eos_token_id"] == [tokenizer.eos_token_id, 7]

@@ -46,9 +46,10 @@ def export_tokenizer(cfg: Config, tokenizer: Any, model_dir: Path | None) -> Exp
     and a generation config whose eos_token_id lists the tokens that end a trained answer, then the base's."""
     text_only = plain_text_run(cfg.data)
     encoder = Encoder(tokenizer, cfg.data.chat_template)
-    template = None
-    if not text_only or getattr(tokenizer, "chat_template", None):
-        # One template, as a string: an export holds plain files only (several would need a folder of them).
+    # One template, as a string: an export holds plain files only (several would need a folder of them).
+    if text_only:  # no conversation was rendered: the tokenizer's own, if any
+        template = tokenizer.get_chat_template() if getattr(tokenizer, "chat_template", None) else None
+    else:
         template = encoder.template or tokenizer.get_chat_template()
     ends = end_of_turn_ids(encoder, "text" if text_only else "chat")
     return ExportTokenizer(tokenizer, template, _generation_config(cfg, model_dir, ends))
