@@ -25,6 +25,8 @@ REPLACED_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tok
 
 @dataclass
 class ExportTokenizer:
+    """What an export writes beside the weights for generation (see `export_tokenizer`)."""
+
     tokenizer: Any  # the tokenizer training used
     chat_template: str | None  # the chat template it used, saved as the tokenizer's own
     generation: dict[str, Any]  # generation_config.json's contents
