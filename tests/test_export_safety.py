@@ -116,7 +116,9 @@ def test_a_sibling_tmp_directory_of_the_user_survives(runs, tmp_path, capsys):
     assert qshard(capsys, "export", "adapter", "--run", runs["a"], "--out", out)[0] == 0
     assert snapshot(theirs) == {"draft.txt": b"keep"}
     marker = json.loads((out / MARKER).read_text())
-    assert marker == {"kind": "adapter", "files": ["adapter_config.json", "adapter_model.safetensors"]}
+    assert marker == {"kind": "adapter", "files": ["adapter_config.json", "adapter_model.safetensors",
+                                                   "chat_template.jinja", "generation_config.json", "tokenizer.json",
+                                                   "tokenizer_config.json"]}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "adapter.tmp"]
 
 

@@ -37,6 +37,25 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def training_tokenizer(cfg: Config, model_dir: Path | None):
+    """The model directory's tokenizer (under broadcast loading, from files rank 0 sent), or for a named
+    shape without a directory, the demo tokenizer, whose ids must fit the shape's vocabulary."""
+    if cfg.model.path is None:
+        from qshard.demo_tokenizer import build_demo_tokenizer
+        from qshard.random_model import named_config
+
+        vocab = named_config(cfg.model.shape).vocab_size
+        tokenizer = build_demo_tokenizer()
+        if len(tokenizer) > vocab:
+            raise QShardError(
+                f"model.shape {cfg.model.shape}: its vocabulary of {vocab} tokens is smaller than the demo "
+                f"tokenizer's {len(tokenizer)}; give model.path a directory with a tokenizer that fits"
+            )
+        return tokenizer
+    load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
+    return load_tokenizer(model_dir)
+
+
 def model_config(cfg: Config, model_dir: str | Path | None):
     """A named shape (`model.shape`, random init only) or the model directory's config.json."""
     if cfg.model.shape is not None:

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,9 @@ from qshard.adapters.dora import dora_merge
 from qshard.config import LoRAConfig
 from qshard.loading import WEIGHT_SUFFIXES, join_name, module_sources
 from qshard.quant import QuantizedExperts, QuantizedLinear
+
+if TYPE_CHECKING:
+    from qshard.export_tokenizer import ExportTokenizer
 
 # PEFT stores a causal LM's adapter under the PeftModel -> LoraModel -> original model path.
 PEFT_PREFIX = "base_model.model."
@@ -64,9 +68,10 @@ def write_peft_adapter(
     lora: LoRAConfig,
     targets: list[str] | str,
     base_model: str,
+    tokenizer: ExportTokenizer | None = None,
 ) -> None:
     """Write the adapter to `dest` (see `outputs.staged`: complete or not at all, and replacing nothing but
-    a previous adapter export)."""
+    a previous adapter export), with `tokenizer`'s files and generation config."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -90,6 +95,8 @@ def write_peft_adapter(
     with outputs.staged(dest, kind="adapter") as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.write(tmp)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -164,8 +171,10 @@ def write_merged(
     is_main: bool,
     max_shard_bytes: int = 2 << 30,
     dtype: torch.dtype = torch.bfloat16,
+    tokenizer: ExportTokenizer | None = None,
 ) -> None:
-    """Write a Hugging Face model directory (config, tokenizer, sharded safetensors) from `weights`,
+    """Write a Hugging Face model directory (config, tokenizer, sharded safetensors) from `weights`, with
+    `tokenizer`'s files and generation config in place of the base's copies,
     holding at most one shard in memory (see `outputs.staged`: complete or not at all, and replacing nothing
     but a previous merged export). Every rank consumes `weights` (it gathers shards); only the main rank
     writes."""
@@ -175,6 +184,8 @@ def write_merged(
         return
     with outputs.staged(dest, kind="merged") as tmp:
         _copy_model_files(base_dir, tmp)
+        if tokenizer is not None:
+            tokenizer.write(tmp)
         _retype_config(tmp / "config.json", dtype)
         _write_shards(tmp, weights, max_shard_bytes)
 

@@ -10,9 +10,10 @@ import torch
 
 from qshard import checkpoint, export, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, local_model_dir
+from qshard.build import build_model, local_model_dir, training_tokenizer
 from qshard.checkpoint import base_fingerprint, base_model_name
 from qshard.errors import QShardError
+from qshard.export_tokenizer import export_tokenizer
 from qshard.parallel.distributed import DistEnv, held_by_rank0, init_distributed, shutdown
 
 log = logging.getLogger("qshard")
@@ -62,16 +63,19 @@ def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, ma
                           "tokenizer from; export the adapter instead")
     if kind == "adapter" and cfg.train.train_type in config_mod.ADAPTERLESS_TRAIN_TYPES:
         raise QShardError(f"{ckpt}: a {cfg.train.train_type} run has no adapter; use `qshard export merged`")
-    model, report = build_model(cfg, env, local_model_dir(cfg, env))
+    model_dir = local_model_dir(cfg, env)
+    tokenizer = export_tokenizer(cfg, training_tokenizer(cfg, model_dir), model_dir)  # its errors before the build
+    model, report = build_model(cfg, env, model_dir)
     checkpoint.load(ckpt, model, optimizer=None)
     if kind == "adapter":
         tensors = export.gather_lora(model)
         if env.is_main:
-            export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base_model_name(cfg))
+            export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base_model_name(cfg),
+                                      tokenizer)
     else:
         weights = export.model_weights(model, torch.bfloat16, merge_adapters=True)
         export.write_merged(out, weights, Path(cfg.model.path), env.is_main, int(max_shard_gib * 2**30),
-                            torch.bfloat16)
+                            torch.bfloat16, tokenizer)
     if env.is_main:
         log.info("exported %s from %s to %s", kind, ckpt, out)
     return out

@@ -13,8 +13,10 @@ from qshard.data.records import BadRecord
 from qshard.errors import QShardError
 
 # Built-in templates, for tokenizers that have none (typical of base models). Separators precede turns
-# rather than follow them, so an assistant turn ends exactly at its end-of-turn text.
+# rather than follow them, so an assistant turn ends exactly at its end-of-turn text. Each opens with the bos
+# the encoder puts first anyway, so that an export's template renders what training trained on.
 ALPACA = (
+    "{{- bos_token -}}"
     "{%- for message in messages -%}"
     "{%- if not loop.first -%}{{ '\\n\\n' }}{%- endif -%}"
     "{%- if message['role'] == 'system' -%}{{ message['content'] }}"
@@ -27,6 +29,7 @@ ALPACA = (
     "{%- endif -%}"
 )
 CHATML = (
+    "{{- bos_token -}}"
     "{%- for message in messages -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor -%}"
@@ -122,3 +125,30 @@ class Encoder:
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids, labels = [self.bos_id] + ids, [IGNORE_INDEX] + labels
         return ids, labels
+
+
+# Encoded as training encodes a record, to find what ends a trained answer; each content ends in a plain word.
+END_PROBES = {
+    "chat": {"messages": [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello"}]},
+    "text": {"text": "Hello"},
+}
+
+
+def end_of_turn_ids(encoder: Encoder, fmt: str) -> list[int]:
+    """The ids a trained answer ends with, where generation should stop: the single added tokens (e.g.
+    <|im_end|>, <|eot_id|>) that follow an answer's content in what the encoder trains on, which includes
+    the eos it appends when the template emits none. Found by encoding a probe record of `fmt` (chat, or
+    text for a plain-text run) and reading its trained tokens back from the end, past whitespace."""
+    try:
+        _, labels = encoder.encode(END_PROBES[fmt], fmt, "the end-of-turn probe conversation")
+    except BadRecord as e:
+        raise QShardError(f"data.chat_template: cannot find the end-of-turn tokens: {e}") from None
+    added = encoder.tokenizer.added_tokens_decoder
+    ends: list[int] = []
+    for token in reversed([t for t in labels if t != IGNORE_INDEX]):
+        if token in added:
+            if added[token].content.strip():
+                ends.append(token)
+        elif encoder.tokenizer.decode([token]).strip():
+            break  # the answer's own text: what precedes it is not the turn's end
+    return ends[::-1]

@@ -20,12 +20,12 @@ from transformers import PreTrainedTokenizerBase
 
 from qshard import checkpoint, data, demo, export, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, describe, load_tokenizer, local_model_dir
+from qshard.build import build_model, describe, local_model_dir, training_tokenizer
 from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, base_model_name
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import Example
 from qshard.errors import QShardError
-from qshard.hf_config import load_hf_config
+from qshard.export_tokenizer import ExportTokenizer, export_tokenizer
 from qshard.models import SwapReport
 from qshard.parallel.distributed import (
     DistEnv,
@@ -137,7 +137,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
                 log.info("preempted: saved step %d; continue with the same command plus --resume auto",
                          fit.records[-1]["step"] if fit.records else run.start_step)
             return RunResult(out, {}, run.model, preempted=True)
-        return RunResult(out, _finish(cfg, env, out, run, fit, started), run.model)
+        return RunResult(out, _finish(cfg, env, out, run, fit, started, inputs.exported), run.model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -152,6 +152,7 @@ class _Inputs:
     tokenizer: PreTrainedTokenizerBase
     train: Sequence[Example]
     eval: Sequence[Example]
+    exported: ExportTokenizer  # what the adapter carries: the tokenizer with its template, the end-of-turn ids
 
 
 def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
@@ -162,9 +163,10 @@ def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
             log.info("no %s given: running the embedded demo", "model" if no_model else "data")
         _demo_inputs(cfg, env, out)
     model_dir = local_model_dir(cfg, env)
-    tokenizer = _tokenizer(cfg, model_dir)
+    tokenizer = training_tokenizer(cfg, model_dir)
+    exported = export_tokenizer(cfg, tokenizer, model_dir)  # now: its errors must not wait for training's end
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
-    return _Inputs(model_dir, tokenizer, train_examples, eval_examples)
+    return _Inputs(model_dir, tokenizer, train_examples, eval_examples, exported)
 
 
 @dataclass
@@ -270,8 +272,10 @@ def _fit(cfg: Config, env: DistEnv, out: Path, run: _Run, kept_metrics: list[str
             metrics.close()
 
 
-def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, started: float) -> dict:
-    """The adapter (gathered from every rank), then summary.json, written last: it marks the run finished."""
+def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, started: float,
+            exported: ExportTokenizer) -> dict:
+    """The adapter (gathered from every rank) with the tokenizer and generation config, then summary.json,
+    written last: it marks the run finished."""
     trainer = run.trainer
     if run.start_step >= trainer.total_steps and run.first is not None and trainer.eval_examples:
         fit.last = trainer.evaluate()  # nothing was left to train: the loaded weights' loss, not the start's
@@ -280,7 +284,7 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
     if env.is_main:
         if run.report.adapted:
             export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(run.model),
-                                      base_model_name(cfg))
+                                      base_model_name(cfg), exported)
         _write_json_atomic(out / "summary.json", summary)
         first, last = fit.first, fit.last
         if first is not None and last is not None:
@@ -313,25 +317,6 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
 
 # ---------------------------------------------------------------------------------------------------------------
 # What the steps use.
-
-
-def _tokenizer(cfg: Config, model_dir: Path | None):
-    """The model directory's tokenizer (under broadcast loading, from files rank 0 sent), or for a named
-    shape without a directory, the demo tokenizer, whose ids must fit the shape's vocabulary."""
-    if cfg.model.path is None:
-        from qshard.demo_tokenizer import build_demo_tokenizer
-        from qshard.random_model import named_config
-
-        vocab = named_config(cfg.model.shape).vocab_size
-        tokenizer = build_demo_tokenizer()
-        if len(tokenizer) > vocab:
-            raise QShardError(
-                f"model.shape {cfg.model.shape}: its vocabulary of {vocab} tokens is smaller than the demo "
-                f"tokenizer's {len(tokenizer)}; give model.path a directory with a tokenizer that fits"
-            )
-        return tokenizer
-    load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
-    return load_tokenizer(model_dir)
 
 
 def _warn_if_data_order_changes(state: dict, trainer: Trainer, env: DistEnv) -> None:
