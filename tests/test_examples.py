@@ -238,3 +238,17 @@ def test_saved_config_records_versions_and_still_resolves(tiny_models, data_file
                                "--data.cache_dir", str(tmp_path / "cache"), "--dry-run"], capsys)
     assert code == 0, err
     assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_on_two_ranks_with_broadcast_loading(tiny_models, data_files, tmp_path):
+    """Under a launcher (torchrun, srun) every rank dry-runs: with broadcast loading only rank 0 reads the weight
+    files, and nothing is written."""
+    from conftest import run_on_ranks
+
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(EXAMPLES / "qlora-8b.yaml"), "--model", str(tiny_models("llama")),
+            "--data", str(data_files("instruction", False)), "--output-dir", str(out),
+            "--data.cache_dir", str(tmp_path / "cache"), "--model.load_mode", "broadcast", "--dry-run"]
+    ranks = run_on_ranks({"dry": argv})["dry"]
+    assert [r.code for r in ranks] == [0, 0], [r.stderr for r in ranks]
+    assert not out.exists()

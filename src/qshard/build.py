@@ -94,11 +94,12 @@ def skeleton(cfg: Config, model_dir: str | Path | None, world_size: int, device:
     return Skeleton(model, blocks, report, base_params)
 
 
-def planned_skeleton(cfg: Config, model_dir: str | Path | None, world_size: int, device: torch.device) -> Skeleton:
-    """`skeleton`, and the checkpoint's files (index, headers, every tensor and shape) checked against it:
-    what `build_model` checks before it reads a weight, for a run that stops there (`qshard train --dry-run`)."""
-    planned = skeleton(cfg, model_dir, world_size, device)
-    if not random_init(cfg):
+def planned_skeleton(cfg: Config, env: DistEnv, model_dir: str | Path | None, world_size: int) -> Skeleton:
+    """`skeleton` for `world_size` ranks, and the checkpoint's files (index, headers, every tensor and shape)
+    checked against it where this process reads them: what `build_model` checks before it reads a weight, for a
+    run that stops there (`qshard train --dry-run`)."""
+    planned = skeleton(cfg, model_dir, world_size, env.device)
+    if not random_init(cfg) and (env.is_main or not files_from_rank0(cfg, env)):
         checkpoint = loading.Checkpoint(model_dir)
         try:
             loading.check_checkpoint(checkpoint, planned.model)

@@ -252,7 +252,7 @@ def _print_plan(cfg: Config, env: DistEnv, out: Path, inputs: _Inputs, resume: _
     """A dry run's last step: the model checked on the meta device against its files, the batch against the data
     for the world size the run would have (`parallel.nproc` ranks when not started yet), and the plan printed."""
     world = env.world_size if env.world_size > 1 else cfg.parallel.nproc
-    planned = planned_skeleton(cfg, inputs.model_dir, world, env.device)
+    planned = planned_skeleton(cfg, env, inputs.model_dir, world)
     sampler, steps = Trainer.plan(cfg, len(inputs.train), dataclasses.replace(env, world_size=world, rank=0))
     plan = RunPlan(cfg, planned, world, inputs.train, inputs.eval, steps, sampler.steps_per_epoch, out,
                    resume.path, resume.state["step"] if resume.state else 0)
