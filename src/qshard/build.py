@@ -5,6 +5,7 @@ this rank's shards -> stream weights (from the files, from rank 0, or random) ->
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -91,14 +92,46 @@ def local_model_dir(cfg: Config, env: DistEnv) -> Path | None:
     return None if cfg.model.path is None else Path(cfg.model.path)
 
 
+@dataclass
+class Skeleton:
+    """The model on the meta device with its linears swapped for the train type's modules."""
+
+    model: nn.Module
+    blocks: list[nn.Module]
+    report: SwapReport
+    base_params: int  # the architecture's own parameters before any swap (tied ones once)
+
+
+def skeleton(cfg: Config, model_dir: str | Path | None, world_size: int, device: torch.device) -> Skeleton:
+    """The checks of the model that need no weights, on the meta-device skeleton: config.json, blocks, module
+    swaps, and adapters that fit `world_size` ranks with `device`'s memory."""
+    model = models.build_skeleton(model_config(cfg, model_dir), cfg)
+    base_params = sum(p.numel() for p in model.parameters())
+    blocks = models.find_blocks(model, cfg.model.block_class)
+    report = models.prepare_modules(model, blocks, cfg)
+    models.check_adapter_memory(model, cfg, world_size, models.machine_memory(device))
+    return Skeleton(model, blocks, report, base_params)
+
+
+def planned_skeleton(cfg: Config, env: DistEnv, model_dir: str | Path | None, world_size: int) -> Skeleton:
+    """`skeleton` for `world_size` ranks, and the checkpoint's files (index, headers, every tensor and shape)
+    checked against it where this process reads them: what `build_model` checks before it reads a weight, for a
+    run that stops there (`qshard train --dry-run`)."""
+    planned = skeleton(cfg, model_dir, world_size, env.device)
+    if not random_init(cfg) and (env.is_main or not files_from_rank0(cfg, env)):
+        checkpoint = loading.Checkpoint(model_dir)
+        try:
+            loading.check_checkpoint(checkpoint, planned.model)
+        finally:
+            checkpoint.close()
+    return planned
+
+
 def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tuple[nn.Module, SwapReport]:
     """`model_dir`: a directory this process can read (`local_model_dir`). Every check that can fail on user
     input runs before the first weight is read."""
-    hf_config = model_config(cfg, model_dir)
-    model = models.build_skeleton(hf_config, cfg)
-    blocks = models.find_blocks(model, cfg.model.block_class)
-    report = models.prepare_modules(model, blocks, cfg)
-    models.check_adapter_memory(model, cfg, env.world_size, models.machine_memory(env.device))
+    planned = skeleton(cfg, model_dir, env.world_size, env.device)
+    model, blocks, report = planned.model, planned.blocks, planned.report
     source = weight_source(cfg, env, model_dir, model)
     if not random_init(cfg):
         loading.check_checkpoint(source, model)

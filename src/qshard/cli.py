@@ -83,6 +83,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="qshard", description="FSDP2 + QLoRA fine-tuning of causal LMs")
+    # Listed for --help; `main` answers it before parsing, since the parser requires a command.
+    parser.add_argument("--version", action="store_true", help="print the versions of qshard and its libraries")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train",
@@ -94,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     for flag, key in SHORTCUTS.items():
         train.add_argument(flag, dest=key, metavar=key.split(".")[-1].upper(), help=f"sets {key}")
     train.add_argument("--overwrite", action="store_true", help="allow an output dir that holds a run")
+    train.add_argument("--dry-run", action="store_true", help="check the config, model files and data, print "
+                       "the plan of the run, and stop: nothing is trained or written")
     make = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint of a named shape")
     make.add_argument("--shape", required=True, help="e.g. llama3-8b, llama3-70b, llama-tiny")
     make.add_argument("--out", required=True, help="directory to write (must not exist, or be empty)")
@@ -179,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     launcher.die_with_launcher()
     _setup_logging()
     try:
+        if argv[:1] == ["--version"]:
+            from qshard.versions import version_line
+
+            print(version_line())
+            return 0
         args, extra = parse_args(argv)
         if args.command == "make-checkpoint":
             return _make_checkpoint(args, extra)
@@ -187,11 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "expand":
             return _expand(args, extra)
         cfg = parse_train_config(args, extra)
-        if cfg.parallel.nproc > 1 and not launcher.launched():
+        if cfg.parallel.nproc > 1 and not launcher.launched() and not args.dry_run:  # a dry run plans the ranks
             return launcher.launch(cfg.parallel.nproc, argv)
         from qshard.train.run import run_training  # heavy imports only once the config is valid
 
-        run_training(cfg)
+        run_training(cfg, dry_run=args.dry_run)
         return 0
     except QShardError as exc:
         _report_error(exc)

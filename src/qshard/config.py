@@ -16,6 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from qshard.errors import QShardError
+from qshard.versions import versions
 
 log = logging.getLogger("qshard")
 
@@ -657,6 +658,7 @@ def resolve(yaml_path: str | None, overrides: list[tuple[str, str]]) -> Config:
     """YAML file (if any), then command-line overrides in order, then validation. Removed options in the YAML
     file are taken out first, and checked against the resolved configuration."""
     tree = load_yaml(yaml_path) if yaml_path else {}
+    tree.pop(VERSIONS_KEY, None)  # a saved run's record of its libraries, not an option
     removed = _take_removed(tree, str(yaml_path))
     # Each source is checked on its own first, so that an error names where the bad key or value came
     # from (a typo on the command line must not be blamed on the YAML file).
@@ -675,5 +677,10 @@ def resolve(yaml_path: str | None, overrides: list[tuple[str, str]]) -> Config:
     return cfg.validate()
 
 
+# The top-level key of a saved config.yaml that records the versions of qshard and its libraries (see
+# qshard.versions); `resolve` drops it, so that the file reads back as the options it saved.
+VERSIONS_KEY = "versions"
+
+
 def save(config: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    path.write_text(yaml.safe_dump({**config.to_dict(), VERSIONS_KEY: versions()}, sort_keys=False))

@@ -5,9 +5,11 @@ and summary.json (written last) marks a finished run."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qshard import checkpoint, data, demo, export, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, describe, local_model_dir, training_tokenizer
+from qshard.build import build_model, describe, local_model_dir, planned_skeleton, training_tokenizer
 from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, base_model_name
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import Example
@@ -38,6 +40,7 @@ from qshard.parallel.distributed import (
 )
 from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
+from qshard.train.plan import RunPlan
 
 log = logging.getLogger("qshard")
 
@@ -82,8 +85,9 @@ def _continues(cfg: Config, out: Path) -> bool:
     return choice == "auto" or Path(choice).resolve().is_relative_to((out / "checkpoints").resolve())
 
 
-def _demo_inputs(cfg: Config, env: DistEnv, out: Path) -> None:
-    """No model and no data given: the embedded demo (tiny random Llama, local tokenizer, shipped task)."""
+def _demo_inputs(cfg: Config, env: DistEnv, out: Path, writer: bool) -> None:
+    """No model and no data given: the embedded demo (tiny random Llama, local tokenizer, shipped task); its
+    model is written into `out` by the `writer`."""
     demo_data = resources.files("qshard") / "demo_data"
     if cfg.data.path is None and not cfg.data.sources:
         cfg.data.path = str(demo_data / "train.jsonl")
@@ -91,7 +95,7 @@ def _demo_inputs(cfg: Config, env: DistEnv, out: Path) -> None:
             cfg.data.eval_path = str(demo_data / "eval.jsonl")
     if cfg.model.path is None and cfg.model.shape is None:
         model_dir = out / "demo-model"
-        if env.is_main:
+        if writer:
             demo.write_demo_model(model_dir)
         dist.barrier()
         cfg.model.path = str(model_dir)
@@ -106,28 +110,33 @@ class RunResult:
     preempted: bool = False
 
 
-def run_training(cfg: Config) -> RunResult:
+def run_training(cfg: Config, dry_run: bool = False) -> RunResult:
     env = init_distributed(cfg.parallel.cpu_offload, ("parallel.load_timeout_s", cfg.parallel.load_timeout_s))
     try:
         with collective_errors(env):
-            return train(cfg, env)
+            return train(cfg, env, dry_run)
     finally:
         shutdown()
 
 
-def train(cfg: Config, env: DistEnv) -> RunResult:
+def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
     """One run, holding its output directory from before the first file is written until it ends: its inputs,
     the checkpoint it resumes from (checked before anything is built), the model, training, then the adapter
-    and summary.json."""
+    and summary.json. A dry run stops once the inputs and the checkpoint are checked and prints the plan of the
+    run instead: it neither locks nor writes the output directory (the demo's model goes to a scratch one)."""
     out = resolve_output_dir(cfg)
     # Rank 0 holds the lock: the other ranks write only their checkpoint shards, and may be on other machines.
-    locked = held_by_rank0(lambda: rundir.run_lock(out), env.is_main)
-    with locked, rundir.writing(f"into {out}"):  # a full disk met anywhere: one line
+    locked = contextlib.nullcontext() if dry_run else held_by_rank0(lambda: rundir.run_lock(out), env.is_main)
+    scratch = tempfile.TemporaryDirectory(prefix="qshard-dry-run-") if dry_run else contextlib.nullcontext()
+    with locked, scratch as demo_home, rundir.writing(f"into {out}"):  # a full disk met anywhere: one line
         _check_not_taken(cfg, out)
         started = time.perf_counter()
-        inputs = _inputs(cfg, env, out)
+        inputs = _inputs(cfg, env, out, Path(demo_home) if demo_home else None)
         resume = _resume(cfg, env, out)
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
+            return RunResult(out, {}, None)
+        if dry_run:
+            _print_plan(cfg, env, out, inputs, resume)
             return RunResult(out, {}, None)
         kept_metrics = _kept_metrics(out, resume.state["step"], env) if resume.continuing else []
         run = _build(cfg, env, inputs, resume)
@@ -155,13 +164,14 @@ class _Inputs:
     exported: ExportTokenizer  # what the adapter carries: the tokenizer with its template, the end-of-turn ids
 
 
-def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
-    """The model directory, tokenizer and examples; with no model or no data given, the embedded demo's."""
+def _inputs(cfg: Config, env: DistEnv, out: Path, demo_home: Path | None = None) -> _Inputs:
+    """The model directory, tokenizer and examples; with no model or no data given, the embedded demo's, whose
+    model goes into `out`, or into `demo_home` (a dry run's scratch directory, each rank its own)."""
     no_model = cfg.model.path is None and cfg.model.shape is None
     if (cfg.data.path is None and not cfg.data.sources) or no_model:
         if env.is_main:
             log.info("no %s given: running the embedded demo", "model" if no_model else "data")
-        _demo_inputs(cfg, env, out)
+        _demo_inputs(cfg, env, demo_home or out, writer=env.is_main or demo_home is not None)
     model_dir = local_model_dir(cfg, env)
     tokenizer = training_tokenizer(cfg, model_dir)
     exported = export_tokenizer(cfg, tokenizer, model_dir)  # now: its errors must not wait for training's end
@@ -238,6 +248,18 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
     if resume.path is not None:
         _restore(run, resume, env)
     return run
+
+
+def _print_plan(cfg: Config, env: DistEnv, out: Path, inputs: _Inputs, resume: _Resume) -> None:
+    """A dry run's last step: the model checked on the meta device against its files, the batch against the data
+    for the world size the run would have (`parallel.nproc` ranks when not started yet), and the plan printed."""
+    world = env.world_size if env.world_size > 1 else cfg.parallel.nproc
+    planned = planned_skeleton(cfg, env, inputs.model_dir, world)
+    sampler, steps = Trainer.plan(cfg, len(inputs.train), dataclasses.replace(env, world_size=world, rank=0))
+    plan = RunPlan(cfg, planned, world, inputs.train, inputs.eval, steps, sampler.steps_per_epoch, out,
+                   resume.path, resume.state["step"] if resume.state else 0)
+    if env.is_main:
+        print("\n".join(plan.lines()), flush=True)
 
 
 def _restore(run: _Run, resume: _Resume, env: DistEnv) -> None:
