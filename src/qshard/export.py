@@ -77,7 +77,7 @@ def write_peft_adapter(
         "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": lora.use_rslora,
         "use_dora": any(k.endswith(DORA_MAGNITUDE) for k in tensors),  # DoRA adapters carry magnitudes
         "init_lora_weights": True,
         "inference_mode": True,

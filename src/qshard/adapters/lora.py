@@ -1,4 +1,4 @@
-"""LoRA: y = base(x) + (alpha / r) * B A dropout(x), with A [r, in] and B [out, r].
+"""LoRA: y = base(x) + (alpha / r) * B A dropout(x), with A [r, in] and B [out, r] (rsLoRA: alpha / sqrt(r)).
 
 The base is any frozen linear-shaped module (a QuantizedLinear or a bf16 nn.Linear). A and B are plain
 parameters; their storage dtype is the master dtype (fp32 by default) and FSDP2's
@@ -15,6 +15,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
+    """The factor on B A: alpha / r, or rank-stabilized LoRA's alpha / sqrt(r) (Kalajdzievski 2023), which keeps
+    the update's size from shrinking as the rank grows."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
 class LoRALinear(nn.Module):
     def __init__(
         self,
@@ -25,12 +31,13 @@ class LoRALinear(nn.Module):
         alpha: float,
         dropout: float,
         dtype: torch.dtype = torch.float32,
+        use_rslora: bool = False,
     ) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = in_features, out_features
         self.rank, self.alpha = rank, alpha
-        self.scaling = alpha / rank
+        self.scaling = lora_scaling(alpha, rank, use_rslora)
         device = next(base.parameters()).device
         self.lora_A = nn.Parameter(torch.empty(rank, in_features, dtype=dtype, device=device))
         self.lora_B = nn.Parameter(torch.empty(out_features, rank, dtype=dtype, device=device))
