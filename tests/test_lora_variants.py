@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from importlib import resources
 from pathlib import Path
 
 import peft
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from qshard import export
@@ -117,3 +119,117 @@ def test_rslora_and_lora_plus_export_to_peft_and_resume_exactly(tiny_models, tmp
 
     # Resumed from step 2 (optimizer state in its groups, schedule), steps 3-4 are the same, bit for bit.
     assert _resumed_losses(cfg, tmp_path / "resumed", dist_env) == _losses(result.out)[2:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PiSSA and OLoRA: the adapter starts from the base weight, which keeps the residual.
+
+
+def _base_weight(adapter) -> torch.Tensor:
+    """The adapter's base weight, whole, in fp32 (dequantized where it is quantized)."""
+    from qshard.quant import QuantizedLinear
+
+    if isinstance(adapter.base, QuantizedLinear):
+        return adapter.base.dequantized_weight(torch.float32)
+    weight = adapter.base.weight.detach()
+    return (weight.full_tensor() if hasattr(weight, "full_tensor") else weight).float()
+
+
+def _adapters(model) -> dict[str, torch.nn.Module]:
+    from qshard.adapters import LoRALinear
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_pissa_and_olora_export_a_lora_for_the_original_base(init, tiny_models, tmp_path, eval_data, dist_env):
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    cfg = _config(model_dir, tmp_path / "run", eval_data, init=init)
+    result = train(cfg, dist_env)
+    model = result.model
+
+    # The base holds W - scaling B0 A0 (fp32 here), and B0 A0 is PiSSA's best rank-r part of W / OLoRA's QR part.
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for name, adapter in _adapters(model).items():
+        w = original.get_submodule(name).weight.detach()
+        a0, b0 = adapter.initial
+        torch.testing.assert_close(_base_weight(adapter) + adapter.scaling * (b0 @ a0), w, rtol=0, atol=1e-5)
+        if init == "pissa":
+            tail = float((torch.linalg.svdvals(w)[4:] ** 2).sum())  # what the best rank-4 part leaves
+            assert float(torch.linalg.matrix_norm(_base_weight(adapter)) ** 2) == pytest.approx(tail, rel=1e-4)
+
+    # peft, on the original base, loads the rank-2r LoRA of what training added and computes what qshard does.
+    adapter_config = json.loads((result.out / "adapter" / "adapter_config.json").read_text())
+    assert (adapter_config["r"], adapter_config["lora_alpha"], adapter_config["init_lora_weights"]) == (8, 16.0, True)
+    ours = _logits(model)
+    twin = _peft_on_original_base(model_dir, result.out / "adapter")
+    assert _relative_error(ours, _logits(twin)) <= 1e-5
+    with twin.disable_adapter():
+        assert _relative_error(ours, _logits(twin)) > 1e-3
+    _check_merged(model, model_dir, ours, tmp_path, 1e-5)
+
+    if init == "pissa":  # resumed from step 2: the same residual rebuilt, the trained A, B read back
+        assert _resumed_losses(cfg, tmp_path / "resumed", dist_env) == _losses(result.out)[2:]
+
+
+@pytest.fixture(scope="module")
+def principal_model(tiny_models, tmp_path_factory) -> Path:
+    """The tiny Llama with block weights as pretrained ones are, a few large singular directions over the rest
+    (random ones have a flat spectrum, which leaves PiSSA nothing to take): rank 4 at scale 1 plus N(0, 0.02)."""
+    source = tiny_models("llama", num_hidden_layers=1)
+    dest = tmp_path_factory.mktemp("principal")
+    for item in source.iterdir():
+        shutil.copy2(item, dest / item.name)
+    weights = load_file(dest / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for name, w in weights.items():
+        if name.endswith("proj.weight"):
+            out_features, in_features = w.shape
+            u, v = torch.randn(out_features, 4, generator=generator), torch.randn(4, in_features, generator=generator)
+            noise = torch.randn(w.shape, generator=generator) * 0.02
+            weights[name] = (u @ v / in_features**0.5 + noise).to(w.dtype)
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def test_pissa_on_an_nf4_base_quantizes_the_residual(principal_model, tmp_path, eval_data, dist_env):
+    """qshard computes on quant(W - scaling B0 A0); peft on the original W differs from it by that quantization
+    error alone, which PiSSA makes smaller than quant(W)'s: the point of PiSSA on a quantized base."""
+    from qshard.quant import dequantize_nf4, quantize_nf4
+
+    cfg = _config(principal_model, tmp_path / "run", eval_data, train_type="qlora", init="pissa")
+    result = train(cfg, dist_env)
+    model = result.model
+
+    original = AutoModelForCausalLM.from_pretrained(principal_model, dtype=torch.float32)
+    nf4 = AutoModelForCausalLM.from_pretrained(principal_model, dtype=torch.float32)
+    for name, adapter in _adapters(model).items():
+        w = original.get_submodule(name).weight.detach()
+        plain = dequantize_nf4(*quantize_nf4(w, cfg.quant.blocksize), torch.float32)
+        nf4.get_submodule(name).weight.data.copy_(plain)
+        a0, b0 = adapter.initial
+        with_residual = _base_weight(adapter) + adapter.scaling * (b0 @ a0)
+        assert torch.linalg.matrix_norm(with_residual - w) < 0.5 * torch.linalg.matrix_norm(plain - w), name
+
+    # Logits: peft on the original base is within the residual's quantization error of qshard, well inside the
+    # error that quantizing the original base costs (the scale of NF4's error on these logits).
+    ours = _logits(model)
+    twin = _peft_on_original_base(principal_model, result.out / "adapter")
+    nf4_gap = _relative_error(_logits(nf4), _logits(original))
+    assert _relative_error(ours, _logits(twin)) < 0.5 * nf4_gap, (_relative_error(ours, _logits(twin)), nf4_gap)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--lora.plus_lr_ratio", "0"], "lora.plus_lr_ratio must be > 0, got 0.0"),
+    (["--lora.plus_lr_ratio", "16", "--train.train_type", "full"], "lora.plus_lr_ratio: train.train_type full"),
+    (["--lora.init", "pissa", "--train.train_type", "llama_pro"], "lora.init: pissa initializes adapters"),
+    (["--lora.init", "olora", "--train.train_type", "qdora"], "lora.init: olora with train.train_type qdora"),
+])
+def test_variant_options_refused_in_one_line(options, message):
+    from qshard.config import resolve
+    from qshard.errors import QShardError
+
+    pairs = list(zip(options[::2], options[1::2], strict=True))
+    with pytest.raises(QShardError, match=message.replace(".", r"\.")) as caught:
+        resolve(None, [(key.removeprefix("--"), value) for key, value in pairs])
+    assert "\n" not in str(caught.value)

@@ -61,6 +61,9 @@ class LoRAConfig:
     use_rslora: bool = False
     # LoRA+: the B factors (and DoRA's magnitudes) train at optim.lr times this (16 is typical); empty: at optim.lr.
     plus_lr_ratio: float | None = None
+    # How A and B start: default (A random, B zero), or from the base weight, which keeps the residual (and on a
+    # quantized base, the residual is what gets quantized): pissa (top-r singular directions) or olora (QR).
+    init: Literal["default", "pissa", "olora"] = "default"
 
 
 # The quantization methods by quant.method name, and the quant.bits each takes: a torch-free copy of what
@@ -311,6 +314,15 @@ class Config:
             if train_type in ADAPTERLESS_TRAIN_TYPES:
                 raise QShardError(f"lora.plus_lr_ratio: train.train_type {train_type} trains no adapters, so there "
                                   "are no B factors to speed up")
+        if lora.init != "default" and train_type in ADAPTERLESS_TRAIN_TYPES:
+            raise QShardError(f"lora.init: {lora.init} initializes adapters, which train.train_type {train_type} "
+                              "does not train")
+        if lora.init != "default" and train_type in DORA_TRAIN_TYPES:
+            # peft's PiSSA/OLoRA-to-LoRA conversion, what a shared adapter needs on the original base, keeps A and B
+            # only, not DoRA's magnitudes.
+            raise QShardError(f"lora.init: {lora.init} with train.train_type {train_type} is not supported (peft "
+                              "converts PiSSA/OLoRA adapters for the original base without DoRA's magnitudes); use "
+                              f"train.train_type {'qlora' if train_type == 'qdora' else 'lora'}")
 
     def _validate_quant(self) -> None:
         """The method's own rules (QUANT_BITS), and a method chosen only where the base is quantized (the

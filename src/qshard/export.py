@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from qshard import outputs
 from qshard.adapters import DoRALinear, LoRALinear
 from qshard.adapters.dora import dora_merge
+from qshard.adapters.from_base import FROM_BASE, as_plain_lora, plain_lora_alpha
 from qshard.config import LoRAConfig
 from qshard.loading import WEIGHT_SUFFIXES, join_name, module_sources
 from qshard.quant import QuantizedExperts, QuantizedLinear
@@ -27,16 +28,18 @@ DORA_MAGNITUDE = "lora_magnitude_vector"
 
 
 def gather_lora(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) LoRA tensors on CPU, keyed by PEFT's names.
+    """Full (unsharded) LoRA tensors on CPU, keyed by PEFT's names. Adapters that started from their base
+    (PiSSA, OLoRA) are written as the rank-2r LoRA of what training added, for the original base.
 
     A collective: every rank must call it, and every rank gets the result."""
     tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            for part in ("lora_A", "lora_B"):
-                param = getattr(module, part)
-                full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-                tensors[f"{PEFT_PREFIX}{name}.{part}.weight"] = full.cpu().contiguous()
+            a, b = _full(module.lora_A).cpu(), _full(module.lora_B).cpu()
+            if module.initial is not None:  # PiSSA/OLoRA: what training added to the original weight
+                a, b = as_plain_lora(a, b, *module.initial)
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.contiguous()
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.contiguous()
             if isinstance(module, DoRALinear):
                 tensors[f"{PEFT_PREFIX}{name}.{DORA_MAGNITUDE}"] = _full(module.magnitude).cpu().contiguous()
     return tensors
@@ -66,13 +69,14 @@ def write_peft_adapter(
     base_model: str,
 ) -> None:
     """Write the adapter to `dest` (see `outputs.staged`: complete or not at all, and replacing nothing but
-    a previous adapter export)."""
+    a previous adapter export). PiSSA/OLoRA tensors (`gather_lora`) are a plain LoRA of twice the rank, with the
+    alpha that keeps the scaling, as peft's own conversion writes them."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
+        "r": lora.rank * 2 if lora.init in FROM_BASE else lora.rank,
+        "lora_alpha": plain_lora_alpha(lora.alpha, lora.use_rslora) if lora.init in FROM_BASE else lora.alpha,
         "lora_dropout": lora.dropout,
         "target_modules": targets,
         "bias": "none",

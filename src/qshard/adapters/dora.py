@@ -63,8 +63,9 @@ class DoRALinear(LoRALinear):
         dropout: float,
         dtype: torch.dtype = torch.float32,
         use_rslora: bool = False,
+        init: str = "default",
     ) -> None:
-        super().__init__(base, in_features, out_features, rank, alpha, dropout, dtype, use_rslora)
+        super().__init__(base, in_features, out_features, rank, alpha, dropout, dtype, use_rslora, init)
         self.magnitude = nn.Parameter(torch.empty(out_features, dtype=dtype, device=self.lora_A.device))
 
     @torch.no_grad()
