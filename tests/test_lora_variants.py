@@ -12,10 +12,12 @@ from pathlib import Path
 import peft
 import pytest
 import torch
+from conftest import run_on_ranks
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from qshard import export
+from qshard.cli import main as cli_main
 from qshard.config import Config
 from qshard.train.optim import build_optimizer, build_scheduler, lora_plus_params
 from qshard.train.run import train
@@ -170,6 +172,32 @@ def test_pissa_and_olora_export_a_lora_for_the_original_base(init, tiny_models, 
 
     if init == "pissa":  # resumed from step 2: the same residual rebuilt, the trained A, B read back
         assert _resumed_losses(cfg, tmp_path / "resumed", dist_env) == _losses(result.out)[2:]
+        # `qshard export adapter` rebuilds the model, so (A0, B0) anew: the same adapter as the run wrote. Last: the
+        # command ends this process's process group.
+        assert cli_main(["export", "adapter", "--run", str(result.out), "--out", str(tmp_path / "exported")]) == 0
+        exported = load_file(tmp_path / "exported" / "adapter_model.safetensors")
+        written = load_file(result.out / "adapter" / "adapter_model.safetensors")
+        assert exported.keys() == written.keys() and all(torch.equal(exported[k], written[k]) for k in written)
+
+
+def test_pissa_on_two_ranks_trains_as_on_one(tiny_models, tmp_path, eval_data, dist_env):
+    """Each rank splits the whole weight and keeps its rows of the residual and of (A0, B0): the same losses and
+    adapter as one process with the same global batch."""
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    cfg = _config(model_dir, tmp_path / "one", eval_data, init="pissa")
+    one = train(cfg, dist_env).out
+    args = ["train", "--model", str(model_dir), "--data", str(DEMO / "train.jsonl"), "--eval-data", str(eval_data),
+            "--output-dir", str(tmp_path / "two"), "--max-length", "40", "--batch-size", "1", "--lr", "5e-3",
+            "--max-steps", "4", "--train.precision", "fp32", "--train.train_type", "lora", "--lora-rank", "4",
+            "--lora.alpha", "8", "--lora.init", "pissa"]
+    runs = run_on_ranks({"two": args}, nprocs=2)["two"]
+    assert [run.code for run in runs] == [0, 0], runs[0].stderr
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "two")), torch.tensor(_losses(one)), rtol=1e-5,
+                               atol=1e-6)
+    ours, theirs = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (tmp_path / "two", one))
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.fixture(scope="module")
