@@ -143,7 +143,7 @@ def _adapters(model) -> dict[str, torch.nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-@pytest.mark.parametrize("init", ["pissa", "olora"])
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora"])
 def test_pissa_and_olora_export_a_lora_for_the_original_base(init, tiny_models, tmp_path, eval_data, dist_env):
     model_dir = tiny_models("llama", num_hidden_layers=1)
     cfg = _config(model_dir, tmp_path / "run", eval_data, init=init)
@@ -251,6 +251,7 @@ def test_pissa_on_an_nf4_base_quantizes_the_residual(principal_model, tmp_path, 
     (["--lora.plus_lr_ratio", "0"], "lora.plus_lr_ratio must be > 0, got 0.0"),
     (["--lora.plus_lr_ratio", "16", "--train.train_type", "full"], "lora.plus_lr_ratio: train.train_type full"),
     (["--lora.init", "pissa", "--train.train_type", "llama_pro"], "lora.init: pissa initializes adapters"),
+    (["--lora.init", "pissa_niter_"], "lora.init must be one of default, pissa, pissa_niter_N"),
     (["--lora.init", "olora", "--train.train_type", "qdora"], "lora.init: olora with train.train_type qdora"),
 ])
 def test_variant_options_refused_in_one_line(options, message):
@@ -261,3 +262,20 @@ def test_variant_options_refused_in_one_line(options, message):
     with pytest.raises(QShardError, match=message.replace(".", r"\.")) as caught:
         resolve(None, [(key.removeprefix("--"), value) for key, value in pairs])
     assert "\n" not in str(caught.value)
+
+
+def test_fast_pissa_finds_the_principal_part_of_a_decaying_spectrum():
+    """pissa_niter_N's randomized SVD gives, on a weight with a decaying spectrum (as pretrained ones have), the
+    top-r part the full SVD gives; and the same factors at every call (a resume rebuilds the same residual)."""
+    from qshard.adapters.from_base import factors_from_base
+
+    generator = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(96, 48, generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(64, 48, generator=generator))
+    weight = u @ torch.diag(0.7 ** torch.arange(48.0)) @ v.T
+    exact_a, exact_b = factors_from_base("pissa")(weight, 4, 2.0)
+    a, b = factors_from_base("pissa_niter_4")(weight, 4, 2.0)
+    exact = exact_b @ exact_a
+    assert torch.linalg.matrix_norm(b @ a - exact) < 1e-2 * torch.linalg.matrix_norm(exact)
+    again = factors_from_base("pissa_niter_4")(weight, 4, 2.0)
+    assert torch.equal(again[0], a) and torch.equal(again[1], b)

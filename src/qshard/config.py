@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,9 +62,10 @@ class LoRAConfig:
     use_rslora: bool = False
     # LoRA+: the B factors (and DoRA's magnitudes) train at optim.lr times this (16 is typical); empty: at optim.lr.
     plus_lr_ratio: float | None = None
-    # How A and B start: default (A random, B zero), or from the base weight, which keeps the residual (and on a
-    # quantized base, the residual is what gets quantized): pissa (top-r singular directions) or olora (QR).
-    init: Literal["default", "pissa", "olora"] = "default"
+    # How A and B start, by peft's names: default (A random, B zero), or from the base weight, which keeps the
+    # residual (on a quantized base, the residual is what gets quantized): pissa (top-r singular directions; by a
+    # full SVD, or pissa_niter_N: a randomized one with N subspace iterations, far faster) or olora (QR).
+    init: str = "default"
 
 
 # The quantization methods by quant.method name, and the quant.bits each takes: a torch-free copy of what
@@ -314,6 +316,9 @@ class Config:
             if train_type in ADAPTERLESS_TRAIN_TYPES:
                 raise QShardError(f"lora.plus_lr_ratio: train.train_type {train_type} trains no adapters, so there "
                                   "are no B factors to speed up")
+        if lora.init not in ("default", "pissa", "olora") and not re.fullmatch(r"pissa_niter_\d+", lora.init):
+            raise QShardError(f"lora.init must be one of default, pissa, pissa_niter_N (N subspace iterations, e.g. "
+                              f"pissa_niter_4) or olora, got {lora.init!r}")
         if lora.init != "default" and train_type in ADAPTERLESS_TRAIN_TYPES:
             raise QShardError(f"lora.init: {lora.init} initializes adapters, which train.train_type {train_type} "
                               "does not train")

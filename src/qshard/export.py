@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from qshard import outputs
 from qshard.adapters import DoRALinear, LoRALinear
 from qshard.adapters.dora import dora_merge
-from qshard.adapters.from_base import FROM_BASE, as_plain_lora, plain_lora_alpha
+from qshard.adapters.from_base import as_plain_lora, factors_from_base, plain_lora_alpha
 from qshard.config import LoRAConfig
 from qshard.loading import WEIGHT_SUFFIXES, join_name, module_sources
 from qshard.quant import QuantizedExperts, QuantizedLinear
@@ -71,12 +71,13 @@ def write_peft_adapter(
     """Write the adapter to `dest` (see `outputs.staged`: complete or not at all, and replacing nothing but
     a previous adapter export). PiSSA/OLoRA tensors (`gather_lora`) are a plain LoRA of twice the rank, with the
     alpha that keeps the scaling, as peft's own conversion writes them."""
+    from_base = factors_from_base(lora.init) is not None  # PiSSA/OLoRA: written as a LoRA of twice the rank
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
-        "r": lora.rank * 2 if lora.init in FROM_BASE else lora.rank,
-        "lora_alpha": plain_lora_alpha(lora.alpha, lora.use_rslora) if lora.init in FROM_BASE else lora.alpha,
+        "r": lora.rank * 2 if from_base else lora.rank,
+        "lora_alpha": plain_lora_alpha(lora.alpha, lora.use_rslora) if from_base else lora.alpha,
         "lora_dropout": lora.dropout,
         "target_modules": targets,
         "bias": "none",

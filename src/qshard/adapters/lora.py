@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qshard.adapters.from_base import FROM_BASE
+from qshard.adapters.from_base import factors_from_base
 
 
 def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
@@ -46,7 +46,7 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.empty(out_features, rank, dtype=dtype, device=device))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         # PiSSA/OLoRA (lora.init): the factors that split the base weight, set by `split_base` while it loads.
-        self.factors_from_base = FROM_BASE.get(init)
+        self.factors_from_base = factors_from_base(init)
         self.initial: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.no_grad()
