@@ -123,6 +123,21 @@ def test_rslora_and_lora_plus_export_to_peft_and_resume_exactly(tiny_models, tmp
     assert _resumed_losses(cfg, tmp_path / "resumed", dist_env) == _losses(result.out)[2:]
 
 
+def test_lora_plus_groups_dora_magnitudes_with_the_b_factors_undecayed():
+    """As peft's LoRA+ groups them: A at lr; B and the 1-D magnitudes at lr x ratio; matrices decayed, magnitudes
+    not (qshard's rule for 1-D parameters)."""
+    from qshard.adapters import DoRALinear
+    from qshard.config import OptimConfig
+
+    dora = DoRALinear(torch.nn.Linear(16, 8, bias=False).requires_grad_(False), 16, 8, 2, 4.0, 0.0)
+    optimizer = build_optimizer(torch.nn.Sequential(dora), OptimConfig(lr=1e-3, weight_decay=0.1), torch.device("cpu"),
+                                plus_lr_ratio=8.0)
+    groups = [([p is dora.lora_A, p is dora.lora_B, p is dora.magnitude].index(True) for p in g["params"])
+              for g in optimizer.param_groups]
+    assert [list(g) for g in groups] == [[0], [1], [2]]
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(1e-3, 0.1), (8e-3, 0.1), (8e-3, 0.0)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # PiSSA and OLoRA: the adapter starts from the base weight, which keeps the residual.
 
