@@ -266,7 +266,7 @@ def test_pissa_on_an_nf4_base_quantizes_the_residual(principal_model, tmp_path, 
     (["--lora.plus_lr_ratio", "0"], "lora.plus_lr_ratio must be > 0, got 0.0"),
     (["--lora.plus_lr_ratio", "16", "--train.train_type", "full"], "lora.plus_lr_ratio: train.train_type full"),
     (["--lora.init", "pissa", "--train.train_type", "llama_pro"], "lora.init: pissa initializes adapters"),
-    (["--lora.init", "pissa_niter_"], "lora.init must be one of default, pissa, pissa_niter_N"),
+    (["--lora.init", "pissa_niter_3"], "lora.init must be one of default, pissa, olora, pissa_niter_1, "),
     (["--lora.init", "olora", "--train.train_type", "qdora"], "lora.init: olora with train.train_type qdora"),
 ])
 def test_variant_options_refused_in_one_line(options, message):
