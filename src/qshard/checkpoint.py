@@ -57,9 +57,10 @@ log = logging.getLogger("qshard")
 STATE_FILE = "trainer_state.json"
 _SAMPLE = 1 << 20
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-# Options a checkpoint's tensors depend on: resuming with other values cannot load it.
+# Options a checkpoint's tensors depend on: resuming with other values cannot load it (LoRA+ sets the optimizer's
+# groups; PiSSA/OLoRA the base the adapters were trained on).
 SHAPE_KEYS = ("train.train_type", "lora.rank", "lora.target_modules", "quant.method", "quant.bits",
-              "quant.blocksize", "model.block_class")
+              "quant.blocksize", "model.block_class", "lora.plus_lr_ratio", "lora.init")
 
 _SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 

@@ -51,6 +51,10 @@ class ModelConfig:
     load_mode: Literal["each_rank", "broadcast"] = "each_rank"
 
 
+# lora.init: peft's init_lora_weights names; pissa_niter_N for the iteration counts in use (peft's docs use 4 and 16).
+LORA_INITS = ("default", "pissa", "olora", *(f"pissa_niter_{n}" for n in (1, 2, 4, 8, 16)))
+
+
 @dataclass
 class LoRAConfig:
     rank: int = 8
@@ -58,6 +62,14 @@ class LoRAConfig:
     dropout: float = 0.0
     # Leaf names of the block linears to adapt (e.g. [q_proj, v_proj]); empty means every linear in the blocks.
     target_modules: list[str] | None = None
+    # Scale the adapter by alpha / sqrt(rank) (rank-stabilized LoRA) instead of alpha / rank.
+    use_rslora: bool = False
+    # LoRA+: the B factors (and DoRA's magnitudes) train at optim.lr times this (16 is typical); empty: at optim.lr.
+    plus_lr_ratio: float | None = None
+    # How A and B start, by peft's names: default (A random, B zero), or from the base weight, which keeps the
+    # residual (on a quantized base, the residual is what gets quantized): pissa (top-r singular directions; by a
+    # full SVD, or pissa_niter_N: a randomized one with N subspace iterations, far faster) or olora (QR).
+    init: Literal[LORA_INITS] = "default"
 
 
 # The quantization methods by quant.method name, and the quant.bits each takes: a torch-free copy of what
@@ -265,6 +277,7 @@ class Config:
         _in_range("lora.dropout", self.lora.dropout, 0.0, 1.0, high_open=True)
         if self.lora.target_modules is not None and not self.lora.target_modules:
             raise QShardError("lora.target_modules: give at least one module name, or leave it empty for all")
+        self._validate_lora_variants()
         _positive("data.max_length", self.data.max_length)
         _in_range("data.eval_fraction", self.data.eval_fraction, 0.0, 1.0, high_open=True)
         _positive("data.num_workers", self.data.num_workers)
@@ -299,6 +312,23 @@ class Config:
         _non_negative("checkpoint.every_steps", self.checkpoint.every_steps)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         return self
+
+    def _validate_lora_variants(self) -> None:
+        lora, train_type = self.lora, self.train.train_type
+        if lora.plus_lr_ratio is not None:
+            _positive("lora.plus_lr_ratio", lora.plus_lr_ratio)
+            if train_type in ADAPTERLESS_TRAIN_TYPES:
+                raise QShardError(f"lora.plus_lr_ratio: train.train_type {train_type} trains no adapters, so there "
+                                  "are no B factors to speed up")
+        if lora.init != "default" and train_type in ADAPTERLESS_TRAIN_TYPES:
+            raise QShardError(f"lora.init: {lora.init} initializes adapters, which train.train_type {train_type} "
+                              "does not train")
+        if lora.init != "default" and train_type in DORA_TRAIN_TYPES:
+            # peft's PiSSA/OLoRA-to-LoRA conversion, what a shared adapter needs on the original base, keeps A and B
+            # only, not DoRA's magnitudes.
+            raise QShardError(f"lora.init: {lora.init} with train.train_type {train_type} is not supported (peft "
+                              "converts PiSSA/OLoRA adapters for the original base without DoRA's magnitudes); use "
+                              f"train.train_type {'qlora' if train_type == 'qdora' else 'lora'}")
 
     def _validate_quant(self) -> None:
         """The method's own rules (QUANT_BITS), and a method chosen only where the base is quantized (the

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from qshard import outputs
 from qshard.adapters import DoRALinear, LoRALinear
 from qshard.adapters.dora import dora_merge
+from qshard.adapters.from_base import as_plain_lora, factors_from_base, plain_lora_alpha
 from qshard.config import LoRAConfig
 from qshard.loading import WEIGHT_SUFFIXES, join_name, module_sources
 from qshard.quant import QuantizedExperts, QuantizedLinear
@@ -31,16 +32,18 @@ DORA_MAGNITUDE = "lora_magnitude_vector"
 
 
 def gather_lora(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) LoRA tensors on CPU, keyed by PEFT's names.
+    """Full (unsharded) LoRA tensors on CPU, keyed by PEFT's names. Adapters that started from their base
+    (PiSSA, OLoRA) are written as the rank-2r LoRA of what training added, for the original base.
 
     A collective: every rank must call it, and every rank gets the result."""
     tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            for part in ("lora_A", "lora_B"):
-                param = getattr(module, part)
-                full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-                tensors[f"{PEFT_PREFIX}{name}.{part}.weight"] = full.cpu().contiguous()
+            a, b = _full(module.lora_A).cpu(), _full(module.lora_B).cpu()
+            if module.initial is not None:  # PiSSA/OLoRA: what training added to the original weight
+                a, b = as_plain_lora(a, b, *module.initial)
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.contiguous()
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.contiguous()
             if isinstance(module, DoRALinear):
                 tensors[f"{PEFT_PREFIX}{name}.{DORA_MAGNITUDE}"] = _full(module.magnitude).cpu().contiguous()
     return tensors
@@ -71,18 +74,21 @@ def write_peft_adapter(
     tokenizer: ExportTokenizer | None = None,
 ) -> None:
     """Write the adapter to `dest` (see `outputs.staged`: complete or not at all, and replacing nothing but
-    a previous adapter export), with `tokenizer`'s files and generation config."""
+    a previous adapter export), with `tokenizer`'s files and generation config. PiSSA/OLoRA tensors
+    (`gather_lora`) are a plain LoRA of twice the rank, with the alpha that keeps the scaling, as peft's own
+    conversion writes them."""
+    from_base = factors_from_base(lora.init) is not None  # PiSSA/OLoRA: written as a LoRA of twice the rank
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
+        "r": lora.rank * 2 if from_base else lora.rank,
+        "lora_alpha": plain_lora_alpha(lora.alpha, lora.use_rslora) if from_base else lora.alpha,
         "lora_dropout": lora.dropout,
         "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": lora.use_rslora,
         "use_dora": any(k.endswith(DORA_MAGNITUDE) for k in tensors),  # DoRA adapters carry magnitudes
         "init_lora_weights": True,
         "inference_mode": True,

@@ -129,7 +129,7 @@ def prepare_modules(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> S
             if sub_name.rsplit(".", 1)[-1] in targets:
                 _check_rank(cfg.lora.rank, fqn, linear)
                 base = adapter(base, linear.in_features, linear.out_features, cfg.lora.rank, cfg.lora.alpha,
-                               cfg.lora.dropout, dtype=master_dtype)
+                               cfg.lora.dropout, dtype=master_dtype, use_rslora=cfg.lora.use_rslora, init=cfg.lora.init)
                 report.adapted.append(fqn)
             if base is not linear:
                 _set_submodule(module, sub_name, base)

@@ -1,9 +1,9 @@
 """DoRA (weight-decomposed low-rank adaptation, Liu et al. 2024) over a frozen base layer.
 
-The adapted weight is W' = m * V / ||V||, V = W0 + (alpha/r) B A, with the norm taken over the input
-dim of each output row and m a trainable magnitude per output row. As the paper recommends (and peft
-does), ||V|| is a constant in backward: gradients reach m, A and B only through the numerator, and the
-norm is computed under no_grad, in fp32.
+The adapted weight is W' = m * V / ||V||, V = W0 + (alpha/r) B A (or rsLoRA's alpha/sqrt(r)), with the norm
+taken over the input dim of each output row and m a trainable magnitude per output row. As the paper
+recommends (and peft does), ||V|| is a constant in backward: gradients reach m, A and B only through the
+numerator, and the norm is computed under no_grad, in fp32.
 
 The base is a frozen nn.Linear (`dora`) or QuantizedLinear (`qdora`: NF4, HQQ, ...). The forward never builds
 W': y = base(x) + (m/||V|| - 1) (W0 x) + (m/||V||) (alpha/r) B A x, which reuses the base layer's own
@@ -62,8 +62,10 @@ class DoRALinear(LoRALinear):
         alpha: float,
         dropout: float,
         dtype: torch.dtype = torch.float32,
+        use_rslora: bool = False,
+        init: str = "default",
     ) -> None:
-        super().__init__(base, in_features, out_features, rank, alpha, dropout, dtype)
+        super().__init__(base, in_features, out_features, rank, alpha, dropout, dtype, use_rslora, init)
         self.magnitude = nn.Parameter(torch.empty(out_features, dtype=dtype, device=self.lora_A.device))
 
     @torch.no_grad()

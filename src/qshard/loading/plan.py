@@ -4,7 +4,8 @@ The checkpoint is checked against the skeleton (every tensor present, every shap
 unexplained) before anything is read (`check_checkpoint`). Each full tensor is then stored by its plan entry
 (`load_plan`): only this rank's dim-0 slice is kept, and a weight of a quantized layer is quantized, on the
 device it was moved to, from the rows that slice holds. LoRA adapters are not loaded but initialized
-(`init_adapters`).
+(`init_adapters`); those that start from their base weight (PiSSA, OLoRA) split it first, and the base keeps
+the residual.
 """
 
 from __future__ import annotations
@@ -123,20 +124,37 @@ def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None
     """(checkpoint name, how to store that full tensor) for every tensor the model needs, in module order."""
     plan: list[tuple[str, Callable[[torch.Tensor], None]]] = []
     seen: set[int] = set()
+    splits: dict[int, LoRALinear] = {}  # id of a base -> its adapter, where the adapter starts from that base
     for module, prefix in module_sources(model):
         if isinstance(module, QuantizedExperts):
             for name in module.shapes:
                 plan.append((join_name(prefix, name), functools.partial(_store_experts, getattr(module, name))))
         elif isinstance(module, QuantizedLinear):
-            plan.append((join_name(prefix, "weight"), functools.partial(_store_quantized, module)))
+            store = functools.partial(_store_quantized, module)
+            plan.append((join_name(prefix, "weight"), _split_first(splits.get(id(module)), store)))
             if module.bias is not None:
                 plan.append((join_name(prefix, "bias"), functools.partial(copy_full, module.bias)))
-        elif not isinstance(module, LoRALinear):
+        elif isinstance(module, LoRALinear):
+            if module.factors_from_base is not None:  # module_sources yields the adapter before its base
+                splits[id(module.base)] = module
+        else:
             for name, param in module.named_parameters(recurse=False):
                 if id(param) not in seen:
                     seen.add(id(param))
-                    plan.append((join_name(prefix, name), functools.partial(copy_full, param)))
+                    store = functools.partial(copy_full, param)
+                    if name == "weight":
+                        store = _split_first(splits.get(id(module)), store)
+                    plan.append((join_name(prefix, name), store))
     return plan
+
+
+def _split_first(adapter: LoRALinear | None, store: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """`store`, or where `adapter` starts from this base weight (PiSSA, OLoRA), `store` of the residual the adapter
+    leaves of it: the full weight, on the device it streamed to, split before only this rank's rows are kept (and
+    quantized), the same on every rank."""
+    if adapter is None:
+        return store
+    return lambda weight: store(adapter.split_base(weight))
 
 
 def _quantized_rows(module: QuantizedLinear, weight: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,8 @@ class Trainer:
         # where the architecture allows); the step divides by the global batch's trained-token count.
         self.loss_sum = build_loss(model, t.loss_chunk_tokens)
         policy = precision(cfg)
-        self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device), policy.loss_scaling)
+        self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device), policy.loss_scaling,
+                                         cfg.lora.plus_lr_ratio)
         # Loss scaling for fp16_mixed; in every other mode a pass-through with the same interface.
         self.scaler = policy.grad_scaler(env.device)
         self.nan_policy = build_nan_policy(t.nan_policy, policy.loss_scaling, env.is_main)

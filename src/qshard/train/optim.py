@@ -9,19 +9,23 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from qshard.adapters import DoRALinear, LoRALinear
 from qshard.config import OptimConfig
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, device: torch.device, loss_scaling: bool = False
+    model: nn.Module, cfg: OptimConfig, device: torch.device, loss_scaling: bool = False,
+    plus_lr_ratio: float | None = None,
 ) -> torch.optim.AdamW:
-    """Decay matrices only: norms and biases (1-D) are not decayed, as is usual for transformers."""
+    """Decay matrices only: norms and biases (1-D) are not decayed, as is usual for transformers. With LoRA+
+    (`plus_lr_ratio`), the adapters' B factors and DoRA magnitudes train at lr * plus_lr_ratio in groups of
+    their own, after the lr groups, so that the scheduler scales every group and group 0 keeps the base lr."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.ndim >= 2]
-    no_decay = [p for p in trainable if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    fast = lora_plus_params(model) if plus_lr_ratio else set()
+    groups = _decay_groups([p for p in trainable if id(p) not in fast], cfg.lr, cfg.weight_decay)
+    if fast:
+        groups += [g for g in _decay_groups([p for p in trainable if id(p) in fast], cfg.lr * plus_lr_ratio,
+                                            cfg.weight_decay) if g["params"]]
     # The fused kernel is one launch per step on CUDA; on CPU the foreach path is the fast one. Under fp16
     # loss scaling the fused kernel is not usable: ShardedGradScaler hands it a 1-element overflow flag, which
     # fused AdamW subtracts in place from its 0-d step counters and fails ("output with shape [] doesn't match
@@ -29,6 +33,27 @@ def build_optimizer(
     fused = device.type == "cuda" and not loss_scaling
     impl = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+
+
+def _decay_groups(params: list[torch.Tensor], lr: float, weight_decay: float) -> list[dict]:
+    """Matrices decayed, 1-D parameters (norms, biases, magnitudes) not; the second group only if it has any."""
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, "lr": lr}]
+    no_decay = [p for p in params if p.ndim < 2]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "lr": lr})
+    return groups
+
+
+def lora_plus_params(model: nn.Module) -> set[int]:
+    """ids of the parameters LoRA+ trains faster: every adapter's B, and DoRA's magnitude (peft's LoRA+ puts the
+    1-D trainable parameters, the magnitudes among them, with the B factors)."""
+    fast = set()
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            fast.add(id(module.lora_B))
+        if isinstance(module, DoRALinear):
+            fast.add(id(module.magnitude))
+    return fast
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
