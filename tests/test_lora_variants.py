@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from qshard import export
 from qshard.cli import main as cli_main
 from qshard.config import Config
+from qshard.errors import QShardError
 from qshard.train.optim import build_optimizer, build_scheduler, lora_plus_params
 from qshard.train.run import train
 
@@ -185,6 +186,10 @@ def test_pissa_and_olora_export_a_lora_for_the_original_base(init, tiny_models, 
         assert _relative_error(ours, _logits(twin)) > 1e-3
     _check_merged(model, model_dir, ours, tmp_path, 1e-5)
 
+    if init == "olora":  # OLoRA's residual depends on the scaling: a resume with another alpha would change the base
+        other = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, alpha=4.0))
+        with pytest.raises(QShardError, match="lora.alpha=8.0, but this run has lora.alpha=4.0"):
+            _resumed_losses(other, tmp_path / "other-alpha", dist_env)
     if init == "pissa":  # resumed from step 2: the same residual rebuilt, the trained A, B read back
         assert _resumed_losses(cfg, tmp_path / "resumed", dist_env) == _losses(result.out)[2:]
         # `qshard export adapter` rebuilds the model, so (A0, B0) anew: the same adapter as the run wrote. Last: the

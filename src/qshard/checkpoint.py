@@ -61,6 +61,8 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # groups; PiSSA/OLoRA the base the adapters were trained on).
 SHAPE_KEYS = ("train.train_type", "lora.rank", "lora.target_modules", "quant.method", "quant.bits",
               "quant.blocksize", "model.block_class", "lora.plus_lr_ratio", "lora.init")
+# With PiSSA/OLoRA the base keeps W - scaling B0 A0, so the scaling is part of the base the adapters trained on.
+FROM_BASE_KEYS = ("lora.alpha", "lora.use_rslora")
 
 _SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 
@@ -305,7 +307,7 @@ def check_compatible(path: Path, state: dict, cfg: Config, fingerprint: str) -> 
         )
     saved = state.get("config", {})
     current, defaults = cfg.to_dict(), Config().to_dict()
-    for key in SHAPE_KEYS:
+    for key in SHAPE_KEYS + (FROM_BASE_KEYS if cfg.lora.init != "default" else ()):
         section, name = key.split(".")
         # A key that an older qshard did not save had its default value then.
         old, new = saved.get(section, {}).get(name, defaults[section][name]), current[section][name]
