@@ -15,8 +15,9 @@ from qshard import loading, models
 from qshard.config import DORA_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config, refuse_model_code
+from qshard.loading.hub import HubModel, hub_model, resolve, resolve_on_nodes
 from qshard.models import SwapReport
-from qshard.parallel.distributed import DistEnv
+from qshard.parallel.distributed import DistEnv, from_rank0
 from qshard.parallel.fsdp import parallelize
 from qshard.parallel.mesh import build_mesh
 from qshard.precision import precision
@@ -64,12 +65,32 @@ def files_from_rank0(cfg: Config, env: DistEnv) -> bool:
     return cfg.model.load_mode == "broadcast" and env.world_size > 1 and cfg.model.shape is None
 
 
-def local_model_dir(cfg: Config, env: DistEnv) -> Path | None:
-    """`model.path`, or under broadcast loading on ranks other than 0, a local directory holding rank 0's
-    config.json and tokenizer files (a collective: call it once per run, on every rank)."""
+def local_model_dir(cfg: Config, env: DistEnv, commit: str | None = None) -> Path | None:
+    """`model.path` (a Hub id's snapshot in the Hub cache), or under broadcast loading on ranks other than 0, a
+    local directory holding rank 0's config.json and tokenizer files (a collective: call it once per run, on
+    every rank)."""
+    return resolve_model(cfg, env, commit)[0]
+
+
+def resolve_model(cfg: Config, env: DistEnv, commit: str | None = None) -> tuple[Path | None, str | None]:
+    """`local_model_dir`, and for a Hub id the commit its files are of (None for a local directory). `commit`
+    pins a Hub id to the commit a checkpoint was trained from. Under broadcast loading only rank 0 needs the
+    files; otherwise local rank 0 of each node downloads them for its node. A collective."""
+    hub = hub_model(cfg.model.path, cfg.model.revision)
+    if hub is None:
+        if files_from_rank0(cfg, env):
+            return loading.model_files_from_rank0(cfg.model.path, env.is_main), None
+        return (None if cfg.model.path is None else Path(cfg.model.path)), None
+    if commit is not None:
+        hub = HubModel(hub.repo_id, commit)
     if files_from_rank0(cfg, env):
-        return loading.model_files_from_rank0(cfg.model.path, env.is_main)
-    return None if cfg.model.path is None else Path(cfg.model.path)
+        snapshot = Path(from_rank0(lambda: str(resolve(hub)), env.is_main))
+        model_dir = loading.model_files_from_rank0(snapshot, env.is_main)
+    else:
+        snapshot = model_dir = resolve_on_nodes(hub, env.local_rank)
+    if env.is_main:
+        log.info("model %s: commit %s (%s)", hub, snapshot.name, snapshot)
+    return model_dir, snapshot.name
 
 
 def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tuple[nn.Module, SwapReport]:

@@ -64,13 +64,15 @@ def write_peft_adapter(
     lora: LoRAConfig,
     targets: list[str] | str,
     base_model: str,
+    revision: str | None = None,
 ) -> None:
     """Write the adapter to `dest` (see `outputs.staged`: complete or not at all, and replacing nothing but
-    a previous adapter export)."""
+    a previous adapter export). `base_model` and `revision`: the base's Hub id and commit, or its directory."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
+        "revision": revision,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
@@ -146,9 +148,12 @@ def base_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
     return model_weights(model, dtype, merge_adapters=False)
 
 
-def _retype_config(path: Path, dtype: torch.dtype) -> None:
-    """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared."""
+def _retype_config(path: Path, dtype: torch.dtype, base_name: str | None = None) -> None:
+    """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared. Where
+    the config says where the model came from, that becomes `base_name` if one is given."""
     config = json.loads(path.read_text())
+    if base_name is not None and "_name_or_path" in config:
+        config["_name_or_path"] = base_name
     config.pop("quantization_config", None)
     name = str(dtype).removeprefix("torch.")
     config["dtype"] = name
@@ -164,6 +169,7 @@ def write_merged(
     is_main: bool,
     max_shard_bytes: int = 2 << 30,
     dtype: torch.dtype = torch.bfloat16,
+    base_name: str | None = None,
 ) -> None:
     """Write a Hugging Face model directory (config, tokenizer, sharded safetensors) from `weights`,
     holding at most one shard in memory (see `outputs.staged`: complete or not at all, and replacing nothing
@@ -175,7 +181,7 @@ def write_merged(
         return
     with outputs.staged(dest, kind="merged") as tmp:
         _copy_model_files(base_dir, tmp)
-        _retype_config(tmp / "config.json", dtype)
+        _retype_config(tmp / "config.json", dtype, base_name)
         _write_shards(tmp, weights, max_shard_bytes)
 
 

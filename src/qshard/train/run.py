@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qshard import checkpoint, data, demo, export, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, describe, load_tokenizer, local_model_dir
+from qshard.build import build_model, describe, load_tokenizer, resolve_model
 from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, base_model_name
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import Example
@@ -126,7 +126,7 @@ def train(cfg: Config, env: DistEnv) -> RunResult:
         _check_not_taken(cfg, out)
         started = time.perf_counter()
         inputs = _inputs(cfg, env, out)
-        resume = _resume(cfg, env, out)
+        resume = _resume(cfg, env, out, inputs.model_dir)
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         kept_metrics = _kept_metrics(out, resume.state["step"], env) if resume.continuing else []
@@ -152,6 +152,7 @@ class _Inputs:
     tokenizer: PreTrainedTokenizerBase
     train: Sequence[Example]
     eval: Sequence[Example]
+    commit: str | None = None  # the Hub commit model_dir holds (None: a local directory)
 
 
 def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
@@ -161,10 +162,23 @@ def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
         if env.is_main:
             log.info("no %s given: running the embedded demo", "model" if no_model else "data")
         _demo_inputs(cfg, env, out)
-    model_dir = local_model_dir(cfg, env)
+    model_dir, commit = resolve_model(cfg, env, _resumed_commit(cfg, out))
     tokenizer = _tokenizer(cfg, model_dir)
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
-    return _Inputs(model_dir, tokenizer, train_examples, eval_examples)
+    return _Inputs(model_dir, tokenizer, train_examples, eval_examples, commit)
+
+
+def _resumed_commit(cfg: Config, out: Path) -> str | None:
+    """The Hub commit of the checkpoint to resume from, when it was trained from the model.path and
+    model.revision given now: a resumed run reads the snapshot it was trained on, wherever the branch has moved
+    since (a run given another revision gets that, and the base check refuses it if its weights differ)."""
+    path = checkpoint.resolve_resume(cfg, out)
+    if path is None:
+        return None
+    state = checkpoint.read_state(path)
+    saved = state.get("config", {}).get("model", {})
+    same = saved.get("path") == cfg.model.path and saved.get("revision") == cfg.model.revision
+    return state.get("base_commit") if same else None
 
 
 @dataclass
@@ -177,14 +191,14 @@ class _Resume:
     continuing: bool = False  # the checkpoint is output.dir's own: that run goes on, keeping its metrics
 
 
-def _resume(cfg: Config, env: DistEnv, out: Path) -> _Resume:
+def _resume(cfg: Config, env: DistEnv, out: Path, model_dir: Path | None) -> _Resume:
     """checkpoint.resume's checkpoint, refused now if it was trained from another base or with tensors these
     options cannot hold."""
     path = checkpoint.resolve_resume(cfg, out)
     if path is None:
         return _Resume()
     state = checkpoint.read_state(path)
-    fingerprint = base_fingerprint_all_ranks(cfg, env)
+    fingerprint = base_fingerprint_all_ranks(cfg, env, model_dir)
     checkpoint.check_compatible(path, state, cfg, fingerprint)
     return _Resume(path, state, fingerprint, continuing=_continues(cfg, out))
 
@@ -218,7 +232,7 @@ class _Run:
 def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
     """The sharded model and its trainer, with the resumed checkpoint's weights, optimizer state and schedule."""
     model, report = build_model(cfg, env, inputs.model_dir)
-    fingerprint = resume.fingerprint or base_fingerprint_all_ranks(cfg, env)
+    fingerprint = resume.fingerprint or base_fingerprint_all_ranks(cfg, env, inputs.model_dir)
     if env.is_main:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
         log.info("data: %d training and %d held-out examples", len(inputs.train), len(inputs.eval))
@@ -228,6 +242,7 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
     trainer.checkpoint_meta = {
         "base_model": base_model_name(cfg),
         "base_fingerprint": fingerprint,
+        "base_commit": inputs.commit,
         "world_size": env.world_size,
         "global_batch": trainer.sampler.global_batch_size,
         "config": cfg.to_dict(),
@@ -280,7 +295,7 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
     if env.is_main:
         if run.report.adapted:
             export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(run.model),
-                                      base_model_name(cfg))
+                                      base_model_name(cfg), revision=trainer.checkpoint_meta["base_commit"])
         _write_json_atomic(out / "summary.json", summary)
         first, last = fit.first, fit.last
         if first is not None and last is not None:
