@@ -125,7 +125,7 @@ def resolve(model: HubModel, local_only: bool = False) -> Path:
         snapshot = Path(snapshot_download(model.repo_id, revision=model.revision, cache_dir=cache,
                                           local_files_only=no_network, allow_patterns=_patterns(DESCRIPTION_FILES),
                                           endpoint=os.environ.get("HF_ENDPOINT") or None))
-        if not no_network:
+        if not no_network and not _has_weights(snapshot):
             _download_weights(model, snapshot, cache)
     except QShardError:
         raise
@@ -163,6 +163,15 @@ def _download_weights(model: HubModel, snapshot: Path, cache: Path) -> None:
         wanted += _index_shards(snapshot / layout)
     snapshot_download(model.repo_id, revision=commit, cache_dir=cache, allow_patterns=_patterns(wanted),
                       endpoint=endpoint)
+
+
+def _has_weights(snapshot: Path) -> bool:
+    """Whether the snapshot holds the weights of some layout whole: a commit's files never change, so the Hub
+    need not be asked for them again."""
+    layout = next((name for name in WEIGHT_LAYOUTS if (snapshot / name).is_file()), None)
+    if layout is None or not layout.endswith(".index.json"):
+        return layout is not None
+    return all((snapshot / shard).is_file() for shard in _index_shards(snapshot / layout))
 
 
 def _index_shards(index: Path) -> list[str]:
