@@ -116,17 +116,19 @@ def run_training(cfg: Config) -> RunResult:
 
 
 def train(cfg: Config, env: DistEnv) -> RunResult:
-    """One run, holding its output directory from before the first file is written until it ends: its inputs,
-    the checkpoint it resumes from (checked before anything is built), the model, training, then the adapter
-    and summary.json."""
+    """One run, holding its output directory from before the first file is written until it ends: the
+    checkpoint it resumes from, its inputs (a Hub model at the commit that checkpoint was trained from), the
+    checkpoint checked against them before anything is built, the model, training, then the adapter and
+    summary.json."""
     out = resolve_output_dir(cfg)
     # Rank 0 holds the lock: the other ranks write only their checkpoint shards, and may be on other machines.
     locked = held_by_rank0(lambda: rundir.run_lock(out), env.is_main)
     with locked, rundir.writing(f"into {out}"):  # a full disk met anywhere: one line
         _check_not_taken(cfg, out)
         started = time.perf_counter()
-        inputs = _inputs(cfg, env, out)
-        resume = _resume(cfg, env, out, inputs.model_dir)
+        resume = _resume_from(cfg, out)
+        inputs = _inputs(cfg, env, out, _trained_commit(cfg, resume))
+        _check_resume(cfg, env, resume, inputs.model_dir)
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         kept_metrics = _kept_metrics(out, resume.state["step"], env) if resume.continuing else []
@@ -155,30 +157,18 @@ class _Inputs:
     commit: str | None = None  # the Hub commit model_dir holds (None: a local directory)
 
 
-def _inputs(cfg: Config, env: DistEnv, out: Path) -> _Inputs:
-    """The model directory, tokenizer and examples; with no model or no data given, the embedded demo's."""
+def _inputs(cfg: Config, env: DistEnv, out: Path, commit: str | None) -> _Inputs:
+    """The model directory (a Hub id's at `commit`, if given), tokenizer and examples; with no model or no data
+    given, the embedded demo's."""
     no_model = cfg.model.path is None and cfg.model.shape is None
     if (cfg.data.path is None and not cfg.data.sources) or no_model:
         if env.is_main:
             log.info("no %s given: running the embedded demo", "model" if no_model else "data")
         _demo_inputs(cfg, env, out)
-    model_dir, commit = resolve_model(cfg, env, _resumed_commit(cfg, out))
+    model_dir, commit = resolve_model(cfg, env, commit)
     tokenizer = _tokenizer(cfg, model_dir)
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
     return _Inputs(model_dir, tokenizer, train_examples, eval_examples, commit)
-
-
-def _resumed_commit(cfg: Config, out: Path) -> str | None:
-    """The Hub commit of the checkpoint to resume from, when it was trained from the model.path and
-    model.revision given now: a resumed run reads the snapshot it was trained on, wherever the branch has moved
-    since (a run given another revision gets that, and the base check refuses it if its weights differ)."""
-    path = checkpoint.resolve_resume(cfg, out)
-    if path is None:
-        return None
-    state = checkpoint.read_state(path)
-    saved = state.get("config", {}).get("model", {})
-    same = saved.get("path") == cfg.model.path and saved.get("revision") == cfg.model.revision
-    return state.get("base_commit") if same else None
 
 
 @dataclass
@@ -191,16 +181,32 @@ class _Resume:
     continuing: bool = False  # the checkpoint is output.dir's own: that run goes on, keeping its metrics
 
 
-def _resume(cfg: Config, env: DistEnv, out: Path, model_dir: Path | None) -> _Resume:
-    """checkpoint.resume's checkpoint, refused now if it was trained from another base or with tensors these
-    options cannot hold."""
+def _resume_from(cfg: Config, out: Path) -> _Resume:
+    """checkpoint.resume's checkpoint and its state, read before the inputs: a Hub model is read at the commit
+    it was trained from (`_trained_commit`)."""
     path = checkpoint.resolve_resume(cfg, out)
     if path is None:
         return _Resume()
-    state = checkpoint.read_state(path)
-    fingerprint = base_fingerprint_all_ranks(cfg, env, model_dir)
-    checkpoint.check_compatible(path, state, cfg, fingerprint)
-    return _Resume(path, state, fingerprint, continuing=_continues(cfg, out))
+    return _Resume(path, checkpoint.read_state(path), continuing=_continues(cfg, out))
+
+
+def _trained_commit(cfg: Config, resume: _Resume) -> str | None:
+    """The Hub commit the checkpoint was trained from, when its model.path and model.revision are the ones given
+    now: the run goes on with the snapshot it began with, wherever the branch has moved since (another revision
+    given is resolved anew, and the base check refuses it if its weights differ)."""
+    if resume.state is None:
+        return None
+    saved = resume.state.get("config", {}).get("model", {})
+    same = saved.get("path") == cfg.model.path and saved.get("revision") == cfg.model.revision
+    return resume.state.get("base_commit") if same else None
+
+
+def _check_resume(cfg: Config, env: DistEnv, resume: _Resume, model_dir: Path | None) -> None:
+    """Refuse the checkpoint now if it was trained from another base or with tensors these options cannot hold."""
+    if resume.path is None:
+        return
+    resume.fingerprint = base_fingerprint_all_ranks(cfg, env, model_dir)
+    checkpoint.check_compatible(resume.path, resume.state, cfg, resume.fingerprint)
 
 
 def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_examples: int) -> bool:
