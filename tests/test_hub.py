@@ -311,29 +311,47 @@ def test_unreachable_hub_falls_back_to_the_cache(hub_env, tiny_models, monkeypat
 
 def _resolve_on_rank(rank: int, port: int, endpoint: str, cache: str, results: str) -> None:
     import huggingface_hub.constants
+    import torch
     import torch.distributed as dist
 
+    from qshard.build import resolve_model
+    from qshard.config import Config
     from qshard.loading.hub import resolve_on_nodes
+    from qshard.parallel.distributed import DistEnv
 
     # A forked rank has the environment of the server it was forked from, not this test's.
     os.environ.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=cache, HF_HUB_OFFLINE="0")
     huggingface_hub.constants.HF_HUB_OFFLINE = False
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    found = {"each_rank": str(resolve_on_nodes(HubModel(REPO), local_rank=rank))}
     try:
-        found = str(resolve_on_nodes(HubModel(REPO), local_rank=rank))
+        resolve_on_nodes(HubModel("org/missing"), local_rank=rank)
     except QShardError as exc:
-        found = f"error: {exc}"
-    Path(results, f"rank{rank}").write_text(found)
+        found["missing"] = str(exc)
+    # Broadcast loading: rank 1 reads no cache at all (its own is empty), rank 0 sends it the small files.
+    os.environ["HF_HUB_CACHE"] = cache if rank == 0 else str(Path(results, "empty-cache"))
+    cfg = Config()
+    cfg.model.path, cfg.model.load_mode = REPO, "broadcast"
+    model_dir, commit = resolve_model(cfg, DistEnv(rank, 2, rank, torch.device("cpu"), None))
+    found["broadcast"] = [commit, sorted(p.name for p in model_dir.iterdir())]
+    Path(results, f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
 
 def test_only_local_rank_0_downloads(online, hub_env, tiny_models, tmp_path):
     """Two ranks of one node: rank 0 downloads each file once, rank 1 waits, asks the Hub nothing, and reads the
-    same snapshot."""
+    same snapshot; an error is both ranks'. Under broadcast loading rank 1 needs no cache."""
     files = model_files(tiny_models("llama"))
     hub = online({REPO: {"refs": {"main": COMMIT_A}, "commits": {COMMIT_A: files}}})
     spawn(_resolve_on_rank, (_free_ports(1)[0], hub.url, str(hub_env), str(tmp_path)))
-    expected = str(hub_env / "models--org--tiny" / "snapshots" / COMMIT_A)
-    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == [expected, expected]
+    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    snapshot = hub_env / "models--org--tiny" / "snapshots" / COMMIT_A
+    assert [f["each_rank"] for f in found] == [str(snapshot), str(snapshot)]
     assert sorted(hub.downloads) == sorted(files)
-    assert sum("/revision/" in r for r in hub.requests) == 1  # one resolution of main: rank 0's
+    # Rank 0's resolutions only: of main for each_rank and broadcast loading, of the missing repository once.
+    assert sum(f"/{REPO}/revision/" in r for r in hub.requests) == 2
+    assert sum("/org/missing/revision/" in r for r in hub.requests) == 1
+    assert all("no Hub repository org/missing" in f["missing"] for f in found)
+    small = sorted(n for n in files if not n.endswith(".safetensors"))
+    assert found[0]["broadcast"] == [COMMIT_A, sorted(files)] and found[1]["broadcast"] == [COMMIT_A, small]
+    assert not (tmp_path / "empty-cache").exists()
