@@ -100,8 +100,11 @@ def test_train_from_hub_id_records_it_and_resume_and_export_keep_its_commit(hub_
                                                                             capsys):
     """`--model org/name` trains from the cached snapshot main points at; config.yaml keeps the id, the
     checkpoint and adapter_config.json the commit. After main moves to other weights, the run resumes and
-    exports from its own commit; --base-name renames the base in the export."""
-    write_cached(hub_env, REPO, COMMIT_A, model_files(tiny_models("llama")), refs=("main",))
+    exports from its own commit; --base-name renames the base in the export (a merged one's config too)."""
+    files = model_files(tiny_models("llama"))
+    config = json.loads(files["config.json"])
+    files["config.json"] = json.dumps({**config, "_name_or_path": "/home/someone/tiny"}).encode()
+    write_cached(hub_env, REPO, COMMIT_A, files, refs=("main",))
     write_cached(hub_env, REPO, COMMIT_B, model_files(tiny_models("llama", seed=1)))
     out = tmp_path / "run"
     code, err = train(REPO, data, out, capsys)
@@ -123,6 +126,9 @@ def test_train_from_hub_id_records_it_and_resume_and_export_keep_its_commit(hub_
     assert export(out, tmp_path / "other", capsys, "--base-name", "team/base")["revision"] is None
     own = export(out, tmp_path / "own", capsys)
     assert (own["base_model_name_or_path"], own["revision"]) == (REPO, COMMIT_A)
+    code = cli.main(["export", "merged", "--run", str(out), "--out", str(tmp_path / "merged"), "--base-name", "team/m"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["_name_or_path"] == "team/m"
 
 
 def test_revisions_resolve_to_their_snapshots(hub_env, tiny_models, tmp_path, monkeypatch):
