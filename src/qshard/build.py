@@ -65,11 +65,11 @@ def files_from_rank0(cfg: Config, env: DistEnv) -> bool:
     return cfg.model.load_mode == "broadcast" and env.world_size > 1 and cfg.model.shape is None
 
 
-def local_model_dir(cfg: Config, env: DistEnv, commit: str | None = None) -> Path | None:
+def local_model_dir(cfg: Config, env: DistEnv) -> Path | None:
     """`model.path` (a Hub id's snapshot in the Hub cache), or under broadcast loading on ranks other than 0, a
     local directory holding rank 0's config.json and tokenizer files (a collective: call it once per run, on
     every rank)."""
-    return resolve_model(cfg, env, commit)[0]
+    return resolve_model(cfg, env)[0]
 
 
 def resolve_model(cfg: Config, env: DistEnv, commit: str | None = None) -> tuple[Path | None, str | None]:

@@ -77,7 +77,7 @@ def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, ma
     else:
         weights = export.model_weights(model, torch.bfloat16, merge_adapters=True)
         export.write_merged(out, weights, model_dir, env.is_main, int(max_shard_gib * 2**30), torch.bfloat16,
-                            base_name=name if base_name is not None else None)
+                            base_name=name if base_name else None)
     if env.is_main:
         log.info("exported %s from %s to %s", kind, ckpt, out)
     return out

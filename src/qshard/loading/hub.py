@@ -17,7 +17,6 @@ import glob
 import json
 import logging
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,8 @@ DESCRIPTION_FILES = (
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
     "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "additional_chat_templates/*",
 )
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# Weight files of other formats (or elsewhere than the top level), named when a repository has nothing else.
+OTHER_WEIGHT_SUFFIXES = {".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx", ".safetensors", ".bin"}
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,7 @@ def _download_weights(model: HubModel, snapshot: Path, cache: Path) -> None:
         return
     layout = next((name for name in WEIGHT_LAYOUTS if name in files), None)
     if layout is None:
-        others = sorted({Path(f).suffix for f in files if Path(f).suffix in (".gguf", ".pt", ".pth", ".h5", ".msgpack",
-                                                                            ".onnx", ".safetensors", ".bin")})
+        others = sorted({Path(f).suffix for f in files} & OTHER_WEIGHT_SUFFIXES)
         raise QShardError(f"model.path {model}: the repository has no weights qshard reads ({SINGLE_FILE}, "
                           f"{INDEX_FILE}, {BIN_FILE} or {BIN_INDEX_FILE} at its top level; it has "
                           f"{', '.join(others) or 'no weight files'})")
