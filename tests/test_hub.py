@@ -119,7 +119,7 @@ def test_train_from_hub_id_records_it_and_resume_and_export_keep_its_commit(hub_
     (hub_env / f"models--{REPO.replace('/', '--')}" / "refs" / "main").write_text(COMMIT_B)
     code, err = train(REPO, data, out, capsys, "--max-steps", "2", "--resume", "auto")
     assert code == 0, err  # the new main's weights differ: resolving main would fail the base check
-    assert f"commit {COMMIT_A}" in err and "resumed from" in err
+    assert f"commit {COMMIT_A}, the one the checkpoint was trained from" in err and "resumed from" in err
     # --base-name with a revision of its own; without one, a Hub id other than the run's has none.
     assert export(out, tmp_path / "renamed", capsys, "--base-name", "team/base@v2") == {
         **adapter, "base_model_name_or_path": "team/base", "revision": "v2"}

@@ -81,15 +81,15 @@ def resolve_model(cfg: Config, env: DistEnv, commit: str | None = None) -> tuple
         if files_from_rank0(cfg, env):
             return loading.model_files_from_rank0(cfg.model.path, env.is_main), None
         return (None if cfg.model.path is None else Path(cfg.model.path)), None
-    if commit is not None:
-        hub = HubModel(hub.repo_id, commit)
+    asked = hub if commit is None else HubModel(hub.repo_id, commit)
     if files_from_rank0(cfg, env):
-        snapshot = Path(from_rank0(lambda: str(resolve(hub)), env.is_main))
+        snapshot = Path(from_rank0(lambda: str(resolve(asked)), env.is_main))
         model_dir = loading.model_files_from_rank0(snapshot, env.is_main)
     else:
-        snapshot = model_dir = resolve_on_nodes(hub, env.local_rank)
+        snapshot = model_dir = resolve_on_nodes(asked, env.local_rank)
     if env.is_main:
-        log.info("model %s: commit %s (%s)", hub, snapshot.name, snapshot)
+        pinned = "" if commit is None else ", the one the checkpoint was trained from"
+        log.info("model %s: commit %s%s (%s)", hub, snapshot.name, pinned, snapshot)
     return model_dir, snapshot.name
 
 
