@@ -253,6 +253,7 @@ class _HubHandler(BaseHTTPRequestHandler):
 @pytest.fixture
 def online(hub_env, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     hubs = []
 
@@ -307,8 +308,9 @@ def test_hub_errors_are_one_line_each(online, tiny_models, data, tmp_path, capsy
 
 def test_unreachable_hub_falls_back_to_the_cache(hub_env, tiny_models, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_free_ports(1)[0]}")  # nothing listens there
     with pytest.raises(QShardError, match=f"no cached copy of {REPO} at main in {hub_env}.*did not provide it"):
         resolve(HubModel(REPO))
     cached = write_cached(hub_env, REPO, COMMIT_A, model_files(tiny_models("llama")), refs=("main",))
@@ -326,7 +328,7 @@ def _resolve_on_rank(rank: int, port: int, endpoint: str, cache: str, results: s
     from qshard.parallel.distributed import DistEnv
 
     # A forked rank has the environment of the server it was forked from, not this test's.
-    os.environ.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=cache, HF_HUB_OFFLINE="0")
+    os.environ.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=cache, HF_HUB_OFFLINE="0", TRANSFORMERS_OFFLINE="0")
     huggingface_hub.constants.HF_HUB_OFFLINE = False
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     found = {"each_rank": str(resolve_on_nodes(HubModel(REPO), local_rank=rank))}
