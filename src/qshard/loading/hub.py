@@ -200,8 +200,9 @@ def _hub_error(exc: Exception, model: HubModel, cache: Path, no_network: bool) -
         return QShardError(f"{name}: {model.repo_id} has no revision {model.revision} (give a branch, tag or commit)")
     if isinstance(exc, errors.LocalEntryNotFoundError):
         revision = model.revision or "main"
-        return QShardError(f"{name}: no cached copy of {model.repo_id} at {revision} in {cache} (HF_HUB_CACHE / "
-                           f"HF_HOME choose it), and the Hub {_unreachable(no_network, exc.__cause__)}")
+        return QShardError(f"{name}: no such local directory, and no cached copy of {model.repo_id} at {revision} "
+                           f"in {cache} (HF_HUB_CACHE / HF_HOME choose it), and the Hub "
+                           f"{_unreachable(no_network, exc.__cause__)}")
     if isinstance(exc, errors.HfHubHTTPError):
         return QShardError(f"{name}: the Hub refused it ({_first_line(exc)})")
     return None
