@@ -16,8 +16,9 @@ from qshard import loading, models
 from qshard.config import DORA_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config, refuse_model_code
+from qshard.loading.hub import HubModel, hub_model, resolve, resolve_on_nodes
 from qshard.models import SwapReport
-from qshard.parallel.distributed import DistEnv
+from qshard.parallel.distributed import DistEnv, from_rank0
 from qshard.parallel.fsdp import parallelize
 from qshard.parallel.mesh import build_mesh
 from qshard.precision import precision
@@ -85,11 +86,31 @@ def files_from_rank0(cfg: Config, env: DistEnv) -> bool:
 
 
 def local_model_dir(cfg: Config, env: DistEnv) -> Path | None:
-    """`model.path`, or under broadcast loading on ranks other than 0, a local directory holding rank 0's
-    config.json and tokenizer files (a collective: call it once per run, on every rank)."""
+    """`model.path` (a Hub id's snapshot in the Hub cache), or under broadcast loading on ranks other than 0, a
+    local directory holding rank 0's config.json and tokenizer files (a collective: call it once per run, on
+    every rank)."""
+    return resolve_model(cfg, env)[0]
+
+
+def resolve_model(cfg: Config, env: DistEnv, commit: str | None = None) -> tuple[Path | None, str | None]:
+    """`local_model_dir`, and for a Hub id the commit its files are of (None for a local directory). `commit`
+    pins a Hub id to the commit a checkpoint was trained from. Under broadcast loading only rank 0 needs the
+    files; otherwise local rank 0 of each node downloads them for its node. A collective."""
+    hub = hub_model(cfg.model.path, cfg.model.revision)
+    if hub is None:
+        if files_from_rank0(cfg, env):
+            return loading.model_files_from_rank0(cfg.model.path, env.is_main), None
+        return (None if cfg.model.path is None else Path(cfg.model.path)), None
+    asked = hub if commit is None else HubModel(hub.repo_id, commit)
     if files_from_rank0(cfg, env):
-        return loading.model_files_from_rank0(cfg.model.path, env.is_main)
-    return None if cfg.model.path is None else Path(cfg.model.path)
+        snapshot = Path(from_rank0(lambda: str(resolve(asked)), env.is_main))
+        model_dir = loading.model_files_from_rank0(snapshot, env.is_main)
+    else:
+        snapshot = model_dir = resolve_on_nodes(asked, env.local_rank)
+    if env.is_main:
+        pinned = "" if commit is None else ", the one the checkpoint was trained from"
+        log.info("model %s: commit %s%s (%s)", hub, snapshot.name, pinned, snapshot)
+    return model_dir, snapshot.name
 
 
 @dataclass

@@ -50,6 +50,7 @@ from qshard.build import files_from_rank0
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.loading import Checkpoint
+from qshard.loading.hub import hub_model
 from qshard.parallel.distributed import DistEnv, from_rank0
 
 log = logging.getLogger("qshard")
@@ -68,25 +69,27 @@ _SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 
 
 def base_model_name(cfg: Config) -> str:
-    """The base named in adapter_config.json and checkpoints: the model directory, or the random shape."""
+    """The base named in adapter_config.json and checkpoints: the Hub id (its commit is recorded beside it), the
+    model directory, or the random shape."""
     if cfg.model.path is None:
         return f"qshard random {cfg.model.shape} (seed {cfg.train.seed})"
-    return str(Path(cfg.model.path).resolve())
+    hub = hub_model(cfg.model.path, cfg.model.revision)
+    return hub.repo_id if hub is not None else str(Path(cfg.model.path).resolve())
 
 
-def base_fingerprint(cfg: Config) -> str:
-    """What identifies the frozen base, for checkpoints: its files, or for a named shape without a
-    directory, the shape and the seed its random weights come from."""
+def base_fingerprint(cfg: Config, model_dir: str | Path | None = None) -> str:
+    """What identifies the frozen base, for checkpoints: its files (in `model_dir`, by default model.path), or
+    for a named shape without a directory, the shape and the seed its random weights come from."""
     if cfg.model.path is None:
         return hashlib.sha256(f"shape {cfg.model.shape} seed {cfg.train.seed}".encode()).hexdigest()[:16]
-    return _files_fingerprint(cfg.model.path)
+    return _files_fingerprint(model_dir or cfg.model.path)
 
 
-def base_fingerprint_all_ranks(cfg: Config, env: DistEnv) -> str:
+def base_fingerprint_all_ranks(cfg: Config, env: DistEnv, model_dir: str | Path | None = None) -> str:
     """`base_fingerprint` on every rank of a run: under broadcast loading only rank 0 can read the files."""
     if files_from_rank0(cfg, env):
-        return from_rank0(lambda: base_fingerprint(cfg), env.is_main)
-    return base_fingerprint(cfg)
+        return from_rank0(lambda: base_fingerprint(cfg, model_dir), env.is_main)
+    return base_fingerprint(cfg, model_dir)
 
 
 def _files_fingerprint(model_dir: str | Path) -> str:
@@ -301,8 +304,9 @@ def _checked_metadata(path: Path, state: dict) -> Metadata:
 def check_compatible(path: Path, state: dict, cfg: Config, fingerprint: str) -> None:
     """Refuse a checkpoint of another base model, or one whose tensors the current options cannot hold."""
     if state.get("base_fingerprint") != fingerprint:
+        commit = f" at commit {state['base_commit']}" if state.get("base_commit") else ""
         raise QShardError(
-            f"{path}: this checkpoint was trained from another base model ({state.get('base_model')}), "
+            f"{path}: this checkpoint was trained from another base model ({state.get('base_model')}{commit}), "
             f"not {cfg.model.path}"
         )
     saved = state.get("config", {})

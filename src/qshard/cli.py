@@ -111,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", help="where to write (default: RUN/adapter or RUN/merged); an existing directory "
                      "must be empty or hold a previous qshard export of the same kind, and nothing else")
     exp.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors shard of a merged model")
+    exp.add_argument("--base-name", help="the base model the export names (adapter_config.json's "
+                     "base_model_name_or_path): a Hub id, id@revision, or a directory; default: the run's own")
     grow = sub.add_parser("expand", help="add identity-initialized blocks to a checkpoint (Llama-Pro)")
     grow.add_argument("--model", required=True, help="the model directory to expand")
     grow.add_argument("--output", required=True, help="the new model directory (must not exist, or be empty)")
@@ -249,7 +251,8 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 
     from qshard.export_cmd import run_export
 
-    run_export(args.kind, Path(args.run), args.checkpoint, Path(args.out) if args.out else None, args.max_shard_gib)
+    run_export(args.kind, Path(args.run), args.checkpoint, Path(args.out) if args.out else None, args.max_shard_gib,
+               args.base_name)
     return 0
 
 

@@ -36,7 +36,8 @@ MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 @dataclass
 class ModelConfig:
-    # Local Hugging Face model directory; empty means the embedded demo model.
+    # Local Hugging Face model directory, or a Hub id (org/name, org/name@revision) resolved through the Hub
+    # cache (loading/hub.py); empty means the embedded demo model.
     path: str | None = None
     # Class name of the transformer block; default: the model's `_no_split_modules`.
     block_class: str | None = None
@@ -49,6 +50,8 @@ class ModelConfig:
     # each_rank: every process reads the files; broadcast: rank 0 reads each tensor and sends it to
     # the others (only rank 0's node needs the weight files).
     load_mode: Literal["each_rank", "broadcast"] = "each_rank"
+    # The Hub id's revision (branch, tag or commit) when model.path is a Hub id; empty: its default branch.
+    revision: str | None = None
 
 
 # lora.init: peft's init_lora_weights names; pissa_niter_N for the iteration counts in use (peft's docs use 4 and 16).

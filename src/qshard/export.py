@@ -72,16 +72,18 @@ def write_peft_adapter(
     targets: list[str] | str,
     base_model: str,
     tokenizer: ExportTokenizer | None = None,
+    revision: str | None = None,
 ) -> None:
     """Write the adapter to `dest` (see `outputs.staged`: complete or not at all, and replacing nothing but
-    a previous adapter export), with `tokenizer`'s files and generation config. PiSSA/OLoRA tensors
-    (`gather_lora`) are a plain LoRA of twice the rank, with the alpha that keeps the scaling, as peft's own
-    conversion writes them."""
+    a previous adapter export), with `tokenizer`'s files and generation config. `base_model` and `revision`: the
+    base's Hub id and commit, or its directory. PiSSA/OLoRA tensors (`gather_lora`) are a plain LoRA of twice
+    the rank, with the alpha that keeps the scaling, as peft's own conversion writes them."""
     from_base = factors_from_base(lora.init) is not None  # PiSSA/OLoRA: written as a LoRA of twice the rank
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
+        "revision": revision,
         "r": lora.rank * 2 if from_base else lora.rank,
         "lora_alpha": plain_lora_alpha(lora.alpha, lora.use_rslora) if from_base else lora.alpha,
         "lora_dropout": lora.dropout,
@@ -159,9 +161,12 @@ def base_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
     return model_weights(model, dtype, merge_adapters=False)
 
 
-def _retype_config(path: Path, dtype: torch.dtype) -> None:
-    """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared."""
+def _retype_config(path: Path, dtype: torch.dtype, base_name: str | None = None) -> None:
+    """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared. Where
+    the config says where the model came from, that becomes `base_name` if one is given."""
     config = json.loads(path.read_text())
+    if base_name is not None and "_name_or_path" in config:
+        config["_name_or_path"] = base_name
     config.pop("quantization_config", None)
     name = str(dtype).removeprefix("torch.")
     config["dtype"] = name
@@ -178,6 +183,7 @@ def write_merged(
     max_shard_bytes: int = 2 << 30,
     dtype: torch.dtype = torch.bfloat16,
     tokenizer: ExportTokenizer | None = None,
+    base_name: str | None = None,
 ) -> None:
     """Write a Hugging Face model directory (config, tokenizer, sharded safetensors) from `weights`, with
     `tokenizer`'s files and generation config in place of the base's copies,
@@ -192,7 +198,7 @@ def write_merged(
         _copy_model_files(base_dir, tmp)
         if tokenizer is not None:
             tokenizer.write(tmp)
-        _retype_config(tmp / "config.json", dtype)
+        _retype_config(tmp / "config.json", dtype, base_name)
         _write_shards(tmp, weights, max_shard_bytes)
 
 

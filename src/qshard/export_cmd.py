@@ -10,10 +10,11 @@ import torch
 
 from qshard import checkpoint, export, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, local_model_dir, training_tokenizer
-from qshard.checkpoint import base_fingerprint, base_model_name
+from qshard.build import build_model, resolve_model, training_tokenizer
+from qshard.checkpoint import base_fingerprint_all_ranks, base_model_name
 from qshard.errors import QShardError
 from qshard.export_tokenizer import export_tokenizer
+from qshard.loading.hub import hub_model
 from qshard.parallel.distributed import DistEnv, held_by_rank0, init_distributed, shutdown
 
 log = logging.getLogger("qshard")
@@ -30,22 +31,24 @@ def find_checkpoint(run_dir: Path, explicit: str | None) -> Path:
     return latest
 
 
-def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, max_shard_gib: float) -> Path:
+def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, max_shard_gib: float,
+               base_name: str | None = None) -> Path:
     """Write the adapter or merged model of `run_dir`'s checkpoint (its newest, or `ckpt_arg`) to `out`
     (default: the run's adapter/ or merged/), after refusing any `out` whose contents are not its own. The run
-    is locked meanwhile, as a training run locks it: none writes into it, or prunes the checkpoint read."""
+    is locked meanwhile, as a training run locks it: none writes into it, or prunes the checkpoint read.
+    `base_name` (--base-name) replaces the base the export names (a Hub id, `id@revision`, or a directory)."""
     if not run_dir.is_dir():
         raise QShardError(f"--run: {run_dir} is not a directory")
     env = init_distributed()
     try:
         with held_by_rank0(lambda: rundir.run_lock(run_dir), env.is_main):
-            return _export(kind, run_dir, ckpt_arg, out, max_shard_gib, env)
+            return _export(kind, run_dir, ckpt_arg, out, max_shard_gib, env, base_name)
     finally:
         shutdown()
 
 
 def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, max_shard_gib: float,
-            env: DistEnv) -> Path:
+            env: DistEnv, base_name: str | None) -> Path:
     ckpt = find_checkpoint(run_dir, ckpt_arg)
     state = checkpoint.read_state(ckpt)
     cfg = config_mod.resolve(str(ckpt / "config.yaml"), [])
@@ -57,28 +60,44 @@ def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, ma
     if _resolved(out) in _run_exports(run_dir) and not _belongs_to(ckpt, run_dir):
         _check_same_run(ckpt, state, run_dir, out)
     outputs.check_target(out, "--out", kind)  # before the model is built; the writer checks again
-    checkpoint.check_compatible(ckpt, state, cfg, base_fingerprint(cfg))
     if kind == "merged" and cfg.model.path is None:
         raise QShardError(f"{ckpt}: a model.shape run has no model directory to take a merged model's config and "
                           "tokenizer from; export the adapter instead")
     if kind == "adapter" and cfg.train.train_type in config_mod.ADAPTERLESS_TRAIN_TYPES:
         raise QShardError(f"{ckpt}: a {cfg.train.train_type} run has no adapter; use `qshard export merged`")
-    model_dir = local_model_dir(cfg, env)
+    name, revision = _base_reference(cfg, state.get("base_commit"), base_name)
+    # A Hub base is read at the commit the checkpoint was trained from (from the cache, where training put it).
+    model_dir, _ = resolve_model(cfg, env, state.get("base_commit"))
+    checkpoint.check_compatible(ckpt, state, cfg, base_fingerprint_all_ranks(cfg, env, model_dir))
     tokenizer = export_tokenizer(cfg, training_tokenizer(cfg, model_dir), model_dir)  # its errors before the build
     model, report = build_model(cfg, env, model_dir)
     checkpoint.load(ckpt, model, optimizer=None)
     if kind == "adapter":
         tensors = export.gather_lora(model)
         if env.is_main:
-            export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base_model_name(cfg),
-                                      tokenizer)
+            export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), name, tokenizer,
+                                      revision)
     else:
         weights = export.model_weights(model, torch.bfloat16, merge_adapters=True)
-        export.write_merged(out, weights, Path(cfg.model.path), env.is_main, int(max_shard_gib * 2**30),
-                            torch.bfloat16, tokenizer)
+        export.write_merged(out, weights, model_dir, env.is_main, int(max_shard_gib * 2**30), torch.bfloat16,
+                            tokenizer, base_name=name if base_name else None)
     if env.is_main:
         log.info("exported %s from %s to %s", kind, ckpt, out)
     return out
+
+
+def _base_reference(cfg: config_mod.Config, commit: str | None, base_name: str | None) -> tuple[str, str | None]:
+    """The base an export names, and its revision: --base-name (a Hub id, with `@revision` if given, else the
+    commit trained from when it is the run's own Hub id; or any other name, as given), else the run's base."""
+    if base_name is None:
+        return base_model_name(cfg), commit
+    if not base_name.strip():
+        raise QShardError("--base-name: give the base model's Hub id or directory")
+    hub = hub_model(base_name, None, option="--base-name")
+    if hub is None:
+        return base_name, None
+    own = hub.repo_id == base_model_name(cfg)
+    return hub.repo_id, hub.revision or (commit if own else None)
 
 
 def _check_out(out: Path, run_dir: Path, ckpt: Path, cfg: config_mod.Config) -> None:
@@ -89,7 +108,7 @@ def _check_out(out: Path, run_dir: Path, ckpt: Path, cfg: config_mod.Config) -> 
         places = [("the checkpoint", ckpt)]
     else:
         places = [("the run directory", run_dir), ("the checkpoint", ckpt)]
-    if cfg.model.path is not None:
+    if cfg.model.path is not None and hub_model(cfg.model.path, cfg.model.revision) is None:
         places.append(("the base model directory", Path(cfg.model.path)))
     for what, place in places:
         where = _resolved(place)

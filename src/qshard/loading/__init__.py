@@ -14,6 +14,7 @@ One file per concern:
     plan           which checkpoint tensor feeds which parameter shard, and how it is stored there
     read_ahead     the threaded read-ahead that streams the plan's tensors onto the device (`load_weights`)
     sources        weights from elsewhere: random values, or rank 0's files over the network
+    hub            Hub ids (org/name@revision) resolved into the Hub cache, downloaded once per node
 """
 
 from qshard.loading.model_dir import INDEX_FILE, SINGLE_FILE, WEIGHT_SUFFIXES, Checkpoint

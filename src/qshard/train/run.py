@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from qshard import checkpoint, data, demo, export, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, describe, local_model_dir, planned_skeleton, training_tokenizer
+from qshard.build import build_model, describe, planned_skeleton, resolve_model, training_tokenizer
 from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, base_model_name
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import Example
@@ -120,9 +120,10 @@ def run_training(cfg: Config, dry_run: bool = False) -> RunResult:
 
 
 def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
-    """One run, holding its output directory from before the first file is written until it ends: its inputs,
-    the checkpoint it resumes from (checked before anything is built), the model, training, then the adapter
-    and summary.json. A dry run stops once the inputs and the checkpoint are checked and prints the plan of the
+    """One run, holding its output directory from before the first file is written until it ends: the
+    checkpoint it resumes from, its inputs (a Hub model at the commit that checkpoint was trained from), the
+    checkpoint checked against them before anything is built, the model, training, then the adapter and
+    summary.json. A dry run stops once the inputs and the checkpoint are checked and prints the plan of the
     run instead: it neither locks nor writes the output directory (the demo's model goes to a scratch one)."""
     out = resolve_output_dir(cfg)
     # Rank 0 holds the lock: the other ranks write only their checkpoint shards, and may be on other machines.
@@ -131,8 +132,9 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
     with locked, scratch as demo_home, rundir.writing(f"into {out}"):  # a full disk met anywhere: one line
         _check_not_taken(cfg, out)
         started = time.perf_counter()
-        inputs = _inputs(cfg, env, out, Path(demo_home) if demo_home else None)
-        resume = _resume(cfg, env, out)
+        resume = _resume_from(cfg, out)
+        inputs = _inputs(cfg, env, out, _trained_commit(cfg, resume), Path(demo_home) if demo_home else None)
+        _check_resume(cfg, env, resume, inputs.model_dir)
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         if dry_run:
@@ -162,21 +164,23 @@ class _Inputs:
     train: Sequence[Example]
     eval: Sequence[Example]
     exported: ExportTokenizer  # what the adapter carries: the tokenizer with its template, the end-of-turn ids
+    commit: str | None = None  # the Hub commit model_dir holds (None: a local directory)
 
 
-def _inputs(cfg: Config, env: DistEnv, out: Path, demo_home: Path | None = None) -> _Inputs:
-    """The model directory, tokenizer and examples; with no model or no data given, the embedded demo's, whose
-    model goes into `out`, or into `demo_home` (a dry run's scratch directory, each rank its own)."""
+def _inputs(cfg: Config, env: DistEnv, out: Path, commit: str | None, demo_home: Path | None = None) -> _Inputs:
+    """The model directory (a Hub id's at `commit`, if given), tokenizer and examples; with no model or no data
+    given, the embedded demo's, whose model goes into `out`, or into `demo_home` (a dry run's scratch directory,
+    each rank its own)."""
     no_model = cfg.model.path is None and cfg.model.shape is None
     if (cfg.data.path is None and not cfg.data.sources) or no_model:
         if env.is_main:
             log.info("no %s given: running the embedded demo", "model" if no_model else "data")
         _demo_inputs(cfg, env, demo_home or out, writer=env.is_main or demo_home is not None)
-    model_dir = local_model_dir(cfg, env)
+    model_dir, commit = resolve_model(cfg, env, commit)
     tokenizer = training_tokenizer(cfg, model_dir)
     exported = export_tokenizer(cfg, tokenizer, model_dir)  # now: its errors must not wait for training's end
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
-    return _Inputs(model_dir, tokenizer, train_examples, eval_examples, exported)
+    return _Inputs(model_dir, tokenizer, train_examples, eval_examples, exported, commit)
 
 
 @dataclass
@@ -189,16 +193,32 @@ class _Resume:
     continuing: bool = False  # the checkpoint is output.dir's own: that run goes on, keeping its metrics
 
 
-def _resume(cfg: Config, env: DistEnv, out: Path) -> _Resume:
-    """checkpoint.resume's checkpoint, refused now if it was trained from another base or with tensors these
-    options cannot hold."""
+def _resume_from(cfg: Config, out: Path) -> _Resume:
+    """checkpoint.resume's checkpoint and its state, read before the inputs: a Hub model is read at the commit
+    it was trained from (`_trained_commit`)."""
     path = checkpoint.resolve_resume(cfg, out)
     if path is None:
         return _Resume()
-    state = checkpoint.read_state(path)
-    fingerprint = base_fingerprint_all_ranks(cfg, env)
-    checkpoint.check_compatible(path, state, cfg, fingerprint)
-    return _Resume(path, state, fingerprint, continuing=_continues(cfg, out))
+    return _Resume(path, checkpoint.read_state(path), continuing=_continues(cfg, out))
+
+
+def _trained_commit(cfg: Config, resume: _Resume) -> str | None:
+    """The Hub commit the checkpoint was trained from, when its model.path and model.revision are the ones given
+    now: the run goes on with the snapshot it began with, wherever the branch has moved since (another revision
+    given is resolved anew, and the base check refuses it if its weights differ)."""
+    if resume.state is None:
+        return None
+    saved = resume.state.get("config", {}).get("model", {})
+    same = saved.get("path") == cfg.model.path and saved.get("revision") == cfg.model.revision
+    return resume.state.get("base_commit") if same else None
+
+
+def _check_resume(cfg: Config, env: DistEnv, resume: _Resume, model_dir: Path | None) -> None:
+    """Refuse the checkpoint now if it was trained from another base or with tensors these options cannot hold."""
+    if resume.path is None:
+        return
+    resume.fingerprint = base_fingerprint_all_ranks(cfg, env, model_dir)
+    checkpoint.check_compatible(resume.path, resume.state, cfg, resume.fingerprint)
 
 
 def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_examples: int) -> bool:
@@ -230,7 +250,7 @@ class _Run:
 def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
     """The sharded model and its trainer, with the resumed checkpoint's weights, optimizer state and schedule."""
     model, report = build_model(cfg, env, inputs.model_dir)
-    fingerprint = resume.fingerprint or base_fingerprint_all_ranks(cfg, env)
+    fingerprint = resume.fingerprint or base_fingerprint_all_ranks(cfg, env, inputs.model_dir)
     if env.is_main:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
         log.info("data: %d training and %d held-out examples", len(inputs.train), len(inputs.eval))
@@ -240,6 +260,7 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
     trainer.checkpoint_meta = {
         "base_model": base_model_name(cfg),
         "base_fingerprint": fingerprint,
+        "base_commit": inputs.commit,
         "world_size": env.world_size,
         "global_batch": trainer.sampler.global_batch_size,
         "config": cfg.to_dict(),
@@ -306,7 +327,8 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
     if env.is_main:
         if run.report.adapted:
             export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(run.model),
-                                      base_model_name(cfg), exported)
+                                      base_model_name(cfg), exported,
+                                      revision=trainer.checkpoint_meta["base_commit"])
         _write_json_atomic(out / "summary.json", summary)
         first, last = fit.first, fit.last
         if first is not None and last is not None:
