@@ -268,13 +268,18 @@ def online(hub_env, monkeypatch):
         hub.server_close()
 
 
-def test_download_takes_only_what_a_run_reads(online, hub_env, tiny_models, monkeypatch):
-    """Config, tokenizer, generation config and safetensors weights; not the .bin copy, the original/ folder or
-    a README. Then offline, the cache serves the same snapshot."""
+def test_download_takes_only_what_a_run_reads(online, hub_env, tiny_models, data, tmp_path, capsys, monkeypatch):
+    """A dry run: the files that describe the model, no weights. Then a run: config, tokenizer, generation config
+    and safetensors weights; not the .bin copy, the original/ folder or a README. Then offline, the cache serves
+    the same snapshot."""
     files = model_files(tiny_models("llama"))
     extra = {"pytorch_model.bin": b"old", "original/consolidated.pth": b"raw", "README.md": b"# tiny",
              "model.gguf": b"gguf"}
     hub = online({REPO: {"refs": {"main": COMMIT_A}, "commits": {COMMIT_A: {**files, **extra}}}})
+    code, err = train(REPO, data, tmp_path / "planned", capsys, "--dry-run")
+    assert code == 0 and "the weights are not downloaded by a dry run" in err, err
+    assert sorted(hub.downloads) == sorted(set(files) - {"model.safetensors"})
+    assert not (tmp_path / "planned").exists()
     snapshot = resolve(HubModel(REPO))
     assert snapshot == hub_env / "models--org--tiny" / "snapshots" / COMMIT_A
     assert sorted(hub.downloads) == sorted(files)  # each file once

@@ -16,7 +16,7 @@ from qshard import loading, models
 from qshard.config import DORA_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config, refuse_model_code
-from qshard.loading.hub import HubModel, hub_model, resolve, resolve_on_nodes
+from qshard.loading.hub import HubModel, has_weights, hub_model, resolve, resolve_on_nodes
 from qshard.models import SwapReport
 from qshard.parallel.distributed import DistEnv, from_rank0
 from qshard.parallel.fsdp import parallelize
@@ -92,10 +92,12 @@ def local_model_dir(cfg: Config, env: DistEnv) -> Path | None:
     return resolve_model(cfg, env)[0]
 
 
-def resolve_model(cfg: Config, env: DistEnv, commit: str | None = None) -> tuple[Path | None, str | None]:
+def resolve_model(cfg: Config, env: DistEnv, commit: str | None = None,
+                  weights: bool = True) -> tuple[Path | None, str | None]:
     """`local_model_dir`, and for a Hub id the commit its files are of (None for a local directory). `commit`
     pins a Hub id to the commit a checkpoint was trained from. Under broadcast loading only rank 0 needs the
-    files; otherwise local rank 0 of each node downloads them for its node. A collective."""
+    files; otherwise local rank 0 of each node downloads them for its node; without `weights` (a dry run) only
+    the files that describe the model. A collective."""
     hub = hub_model(cfg.model.path, cfg.model.revision)
     if hub is None:
         if files_from_rank0(cfg, env):
@@ -103,10 +105,10 @@ def resolve_model(cfg: Config, env: DistEnv, commit: str | None = None) -> tuple
         return (None if cfg.model.path is None else Path(cfg.model.path)), None
     asked = hub if commit is None else HubModel(hub.repo_id, commit)
     if files_from_rank0(cfg, env):
-        snapshot = Path(from_rank0(lambda: str(resolve(asked)), env.is_main))
+        snapshot = Path(from_rank0(lambda: str(resolve(asked, weights=weights)), env.is_main))
         model_dir = loading.model_files_from_rank0(snapshot, env.is_main)
     else:
-        snapshot = model_dir = resolve_on_nodes(asked, env.local_rank)
+        snapshot = model_dir = resolve_on_nodes(asked, env.local_rank, weights)
     if env.is_main:
         pinned = "" if commit is None else ", the one the checkpoint was trained from"
         log.info("model %s: commit %s%s (%s)", hub, snapshot.name, pinned, snapshot)
@@ -139,7 +141,11 @@ def planned_skeleton(cfg: Config, env: DistEnv, model_dir: str | Path | None, wo
     checked against it where this process reads them: what `build_model` checks before it reads a weight, for a
     run that stops there (`qshard train --dry-run`)."""
     planned = skeleton(cfg, model_dir, world_size, env.device)
-    if not random_init(cfg) and (env.is_main or not files_from_rank0(cfg, env)):
+    if not random_init(cfg) and not has_weights(model_dir):  # a Hub model: a dry run fetches no weights
+        if env.is_main:
+            log.info("%s: the weights are not downloaded by a dry run; the run checks them before it trains",
+                     cfg.model.path)
+    elif not random_init(cfg) and (env.is_main or not files_from_rank0(cfg, env)):
         checkpoint = loading.Checkpoint(model_dir)
         try:
             loading.check_checkpoint(checkpoint, planned.model)

@@ -113,9 +113,10 @@ def offline() -> bool:
 # One process.
 
 
-def resolve(model: HubModel, local_only: bool = False) -> Path:
+def resolve(model: HubModel, local_only: bool = False, weights: bool = True) -> Path:
     """The snapshot directory of `model` in the cache, after downloading what it lacks of the files a run reads
-    (from the cache alone when offline, `local_only`, or the Hub cannot be reached). Its name is the commit."""
+    (from the cache alone when offline, `local_only`, or the Hub cannot be reached). Its name is the commit.
+    Without `weights` (a dry run), only the files that describe the model: config, tokenizer, templates."""
     from huggingface_hub import snapshot_download
 
     cache, no_network = cache_dir(), local_only or offline()
@@ -125,7 +126,7 @@ def resolve(model: HubModel, local_only: bool = False) -> Path:
         snapshot = Path(snapshot_download(model.repo_id, revision=model.revision, cache_dir=cache,
                                           local_files_only=no_network, allow_patterns=_patterns(DESCRIPTION_FILES),
                                           endpoint=os.environ.get("HF_ENDPOINT") or None))
-        if not no_network and not _has_weights(snapshot):
+        if weights and not no_network and not has_weights(snapshot):
             _download_weights(model, snapshot, cache)
     except QShardError:
         raise
@@ -134,7 +135,7 @@ def resolve(model: HubModel, local_only: bool = False) -> Path:
         if mapped is None:
             raise
         raise mapped from None
-    if not any((snapshot / name).is_file() for name in WEIGHT_LAYOUTS):
+    if weights and not any((snapshot / name).is_file() for name in WEIGHT_LAYOUTS):
         raise QShardError(f"model.path {model}: the cached snapshot {snapshot} holds no weights ({SINGLE_FILE}, "
                           f"{INDEX_FILE} or their .bin forms) and the Hub {_unreachable(no_network)}")
     return snapshot
@@ -164,7 +165,7 @@ def _download_weights(model: HubModel, snapshot: Path, cache: Path) -> None:
                       endpoint=endpoint)
 
 
-def _has_weights(snapshot: Path) -> bool:
+def has_weights(snapshot: Path) -> bool:
     """Whether the snapshot holds the weights of some layout whole: a commit's files never change, so the Hub
     need not be asked for them again."""
     layout = next((name for name in WEIGHT_LAYOUTS if (snapshot / name).is_file()), None)
@@ -225,15 +226,15 @@ def _first_line(exc: BaseException) -> str:
 # Several processes.
 
 
-def resolve_on_nodes(model: HubModel, local_rank: int) -> Path:
+def resolve_on_nodes(model: HubModel, local_rank: int, weights: bool = True) -> Path:
     """`resolve` on local rank 0 of each node (downloading there), while the node's other ranks wait; they then
     read the commit it resolved from the cache. A collective: an error on any rank is every rank's."""
-    mine = _all_ranks(lambda: str(resolve(model)) if local_rank == 0 else None)
+    mine = _all_ranks(lambda: str(resolve(model, weights=weights)) if local_rank == 0 else None)
     commits = sorted({Path(p).name for p in mine if p is not None})
     if len(commits) > 1:
         raise QShardError(f"model.path {model}: the nodes resolved it to different commits ({', '.join(commits)}): "
                           "it moved while they downloaded; run again, or pin model.revision to a commit")
-    found = _all_ranks(lambda: str(resolve(HubModel(model.repo_id, commits[0]), local_only=True))
+    found = _all_ranks(lambda: str(resolve(HubModel(model.repo_id, commits[0]), local_only=True, weights=weights))
                        if local_rank != 0 else None)
     return Path(found[dist.get_rank()] or mine[dist.get_rank()])
 

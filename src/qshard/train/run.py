@@ -133,7 +133,8 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
         _check_not_taken(cfg, out)
         started = time.perf_counter()
         resume = _resume_from(cfg, out)
-        inputs = _inputs(cfg, env, out, _trained_commit(cfg, resume), Path(demo_home) if demo_home else None)
+        inputs = _inputs(cfg, env, out, _trained_commit(cfg, resume), Path(demo_home) if demo_home else None,
+                         weights=not dry_run)
         _check_resume(cfg, env, resume, inputs.model_dir)
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
@@ -167,16 +168,17 @@ class _Inputs:
     commit: str | None = None  # the Hub commit model_dir holds (None: a local directory)
 
 
-def _inputs(cfg: Config, env: DistEnv, out: Path, commit: str | None, demo_home: Path | None = None) -> _Inputs:
+def _inputs(cfg: Config, env: DistEnv, out: Path, commit: str | None, demo_home: Path | None = None,
+            weights: bool = True) -> _Inputs:
     """The model directory (a Hub id's at `commit`, if given), tokenizer and examples; with no model or no data
     given, the embedded demo's, whose model goes into `out`, or into `demo_home` (a dry run's scratch directory,
-    each rank its own)."""
+    each rank its own). Without `weights` (a dry run), a Hub model's weights are not downloaded."""
     no_model = cfg.model.path is None and cfg.model.shape is None
     if (cfg.data.path is None and not cfg.data.sources) or no_model:
         if env.is_main:
             log.info("no %s given: running the embedded demo", "model" if no_model else "data")
         _demo_inputs(cfg, env, demo_home or out, writer=env.is_main or demo_home is not None)
-    model_dir, commit = resolve_model(cfg, env, commit)
+    model_dir, commit = resolve_model(cfg, env, commit, weights)
     tokenizer = training_tokenizer(cfg, model_dir)
     exported = export_tokenizer(cfg, tokenizer, model_dir)  # now: its errors must not wait for training's end
     train_examples, eval_examples = data.load_datasets(cfg, tokenizer, env.local_rank, env.is_main)
