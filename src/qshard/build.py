@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from qshard import loading, models
+from qshard import loading, models, vocab
 from qshard.config import DORA_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config, refuse_model_code
@@ -72,17 +72,26 @@ def local_model_dir(cfg: Config, env: DistEnv) -> Path | None:
     return None if cfg.model.path is None else Path(cfg.model.path)
 
 
-def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tuple[nn.Module, SwapReport]:
-    """`model_dir`: a directory this process can read (`local_model_dir`). Every check that can fail on user
-    input runs before the first weight is read."""
+def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
+                vocab_size: int | None = None) -> tuple[nn.Module, SwapReport]:
+    """`model_dir`: a directory this process can read (`local_model_dir`). `vocab_size`: the training
+    tokenizer's length, which the embedding and head grow to when data.add_special_tokens made it outgrow the
+    base's vocabulary. Every check that can fail on user input runs before the first weight is read."""
     hf_config = model_config(cfg, model_dir)
+    stored_vocab = vocab.grow_vocab(cfg, hf_config, vocab_size)
     model = models.build_skeleton(hf_config, cfg)
+    resize = vocab.VocabResize.of(model, stored_vocab)
     blocks = models.find_blocks(model, cfg.model.block_class)
     report = models.prepare_modules(model, blocks, cfg)
+    vocab.train_in_full(model, blocks, cfg)
+    vocab.check_new_tokens_trained(model, cfg)
     models.check_adapter_memory(model, cfg, env.world_size, models.machine_memory(env.device))
     source = weight_source(cfg, env, model_dir, model)
     if not random_init(cfg):
-        loading.check_checkpoint(source, model)
+        loading.check_checkpoint(source, model, resize)
+    if resize is not None and env.is_main:
+        log.info("vocabulary: %d -> %d rows (data.add_special_tokens); the new rows of the embedding and head start "
+                 "at the mean of the others", resize.stored, resize.rows)
     if report.kept:
         log.warning("%d block linear(s) kept in %s: in_features not a multiple of quant.blocksize (%s, ...)",
                     len(report.kept), precision(cfg).compute, report.kept[0])
@@ -99,7 +108,7 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tupl
     with models.allocation_errors(model, cfg, env.device):
         model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else env.device)
     models.restore_buffers(model, buffers, env.device)
-    loading.load_weights(model, source, env.device)
+    loading.load_weights(model, source, env.device, resize=resize)
     with models.allocation_errors(model, cfg, env.device):
         loading.init_adapters(model, cfg.train.seed)  # each adapter in full, on the host, before it is sharded
     if cfg.parallel.cpu_offload:

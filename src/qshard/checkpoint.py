@@ -59,7 +59,7 @@ _SAMPLE = 1 << 20
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # Options a checkpoint's tensors depend on: resuming with other values cannot load it.
 SHAPE_KEYS = ("train.train_type", "lora.rank", "lora.target_modules", "quant.method", "quant.bits",
-              "quant.blocksize", "model.block_class")
+              "quant.blocksize", "model.block_class", "lora.modules_to_save", "data.add_special_tokens")
 
 _SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 

@@ -19,6 +19,7 @@ from qshard.adapters.dora import dora_merge
 from qshard.config import LoRAConfig
 from qshard.loading import WEIGHT_SUFFIXES, join_name, module_sources
 from qshard.quant import QuantizedExperts, QuantizedLinear
+from qshard.vocab import tied
 
 # PEFT stores a causal LM's adapter under the PeftModel -> LoraModel -> original model path.
 PEFT_PREFIX = "base_model.model."
@@ -27,7 +28,8 @@ DORA_MAGNITUDE = "lora_magnitude_vector"
 
 
 def gather_lora(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) LoRA tensors on CPU, keyed by PEFT's names.
+    """Full (unsharded) LoRA tensors on CPU, keyed by PEFT's names, and those of the modules trained in full
+    beside them (lora.modules_to_save).
 
     A collective: every rank must call it, and every rank gets the result."""
     tensors = {}
@@ -39,7 +41,42 @@ def gather_lora(model: nn.Module) -> dict[str, torch.Tensor]:
                 tensors[f"{PEFT_PREFIX}{name}.{part}.weight"] = full.cpu().contiguous()
             if isinstance(module, DoRALinear):
                 tensors[f"{PEFT_PREFIX}{name}.{DORA_MAGNITUDE}"] = _full(module.magnitude).cpu().contiguous()
+    return tensors | _gather_trained_in_full(model)
+
+
+def _trained_in_full(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules trained whole beside the adapters, by full name: both modules of a tied embedding and head."""
+    adapter_params = {id(p) for m in model.modules() if isinstance(m, LoRALinear) for p in m.parameters(recurse=False)}
+    return {fqn: m for fqn, m in model.named_modules()
+            if any(p.requires_grad and id(p) not in adapter_params for p in m.parameters(recurse=False))}
+
+
+def _gather_trained_in_full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Their full tensors, under PEFT's names for modules_to_save (the original module's, e.g.
+    `base_model.model.lm_head.weight`); a tied weight under each of its names, as PEFT saves it."""
+    tensors: dict[str, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor] = {}
+    for fqn, module in _trained_in_full(model).items():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in gathered:  # safetensors stores no two names for one tensor's memory
+                full = gathered[id(param)].clone()
+            else:
+                full = gathered[id(param)] = _full(param).cpu().contiguous()
+            tensors[f"{PEFT_PREFIX}{fqn}.{name}"] = full
     return tensors
+
+
+def modules_to_save(model: nn.Module) -> dict | None:
+    """adapter_config.json's entries for the modules trained in full (None: there are none): each by its leaf
+    name, or by its full name where the leaf would match other modules too (PEFT matches names as suffixes), and
+    PEFT's `ensure_weight_tying` for a tied embedding and head, which PEFT then keeps tied as qshard trained them."""
+    saved = _trained_in_full(model)
+    if not saved:
+        return None
+    names = [n for n, _ in model.named_modules()]
+    unique = [fqn if any(n.endswith(fqn.rsplit(".", 1)[-1]) and n != fqn for n in names) else fqn.rsplit(".", 1)[-1]
+              for fqn in saved]
+    return {"modules_to_save": unique, "ensure_weight_tying": tied(model)}
 
 
 def target_modules(model: nn.Module) -> list[str] | str:
@@ -64,9 +101,10 @@ def write_peft_adapter(
     lora: LoRAConfig,
     targets: list[str] | str,
     base_model: str,
+    saved_modules: dict | None = None,
 ) -> None:
     """Write the adapter to `dest` (see `outputs.staged`: complete or not at all, and replacing nothing but
-    a previous adapter export)."""
+    a previous adapter export). `saved_modules`: `modules_to_save(model)`."""
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -86,6 +124,7 @@ def write_peft_adapter(
         "layers_pattern": None,
         "rank_pattern": {},
         "alpha_pattern": {},
+        **(saved_modules or {}),
     }
     with outputs.staged(dest, kind="adapter") as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -146,14 +185,17 @@ def base_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
     return model_weights(model, dtype, merge_adapters=False)
 
 
-def _retype_config(path: Path, dtype: torch.dtype) -> None:
-    """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared."""
+def _retype_config(path: Path, dtype: torch.dtype, vocab_size: int | None = None) -> None:
+    """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared; the
+    embedding has `vocab_size` rows (data.add_special_tokens may have added some)."""
     config = json.loads(path.read_text())
     config.pop("quantization_config", None)
     name = str(dtype).removeprefix("torch.")
     config["dtype"] = name
     if "torch_dtype" in config:
         config["torch_dtype"] = name
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
     path.write_text(json.dumps(config, indent=2))
 
 
@@ -164,18 +206,19 @@ def write_merged(
     is_main: bool,
     max_shard_bytes: int = 2 << 30,
     dtype: torch.dtype = torch.bfloat16,
+    vocab_size: int | None = None,
 ) -> None:
     """Write a Hugging Face model directory (config, tokenizer, sharded safetensors) from `weights`,
     holding at most one shard in memory (see `outputs.staged`: complete or not at all, and replacing nothing
     but a previous merged export). Every rank consumes `weights` (it gathers shards); only the main rank
-    writes."""
+    writes. `vocab_size`: the embedding's rows, when they differ from the base's config.json."""
     if not is_main:
         for _ in weights:  # the gathers are collectives: take part in each
             pass
         return
     with outputs.staged(dest, kind="merged") as tmp:
         _copy_model_files(base_dir, tmp)
-        _retype_config(tmp / "config.json", dtype)
+        _retype_config(tmp / "config.json", dtype, vocab_size)
         _write_shards(tmp, weights, max_shard_bytes)
 
 

@@ -62,16 +62,18 @@ def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, ma
                           "tokenizer from; export the adapter instead")
     if kind == "adapter" and cfg.train.train_type in config_mod.ADAPTERLESS_TRAIN_TYPES:
         raise QShardError(f"{ckpt}: a {cfg.train.train_type} run has no adapter; use `qshard export merged`")
-    model, report = build_model(cfg, env, local_model_dir(cfg, env))
+    vocab_size = state.get("vocab_size")  # the rows the run's embedding had (data.add_special_tokens may add some)
+    model, report = build_model(cfg, env, local_model_dir(cfg, env), vocab_size)
     checkpoint.load(ckpt, model, optimizer=None)
     if kind == "adapter":
         tensors = export.gather_lora(model)
         if env.is_main:
-            export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base_model_name(cfg))
+            export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base_model_name(cfg),
+                                      export.modules_to_save(model))
     else:
         weights = export.model_weights(model, torch.bfloat16, merge_adapters=True)
         export.write_merged(out, weights, Path(cfg.model.path), env.is_main, int(max_shard_gib * 2**30),
-                            torch.bfloat16)
+                            torch.bfloat16, vocab_size)
     if env.is_main:
         log.info("exported %s from %s to %s", kind, ckpt, out)
     return out

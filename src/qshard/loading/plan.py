@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -21,6 +22,9 @@ from qshard.errors import QShardError
 from qshard.loading.model_dir import Checkpoint
 from qshard.parallel.mesh import local_piece
 from qshard.quant import QuantizedExperts, QuantizedLinear
+
+if TYPE_CHECKING:
+    from qshard.vocab import VocabResize
 
 
 def module_sources(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
@@ -42,8 +46,9 @@ def join_name(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> full shape, for every tensor the skeleton needs from the checkpoint."""
+def expected_tensors(model: nn.Module, resize: VocabResize | None = None) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> full shape, for every tensor the skeleton needs from the checkpoint (the vocabulary
+    tensors `resize` grows with the rows the checkpoint stores)."""
     expected: dict[str, tuple[int, ...]] = {}
     seen: set[int] = set()
     for module, prefix in module_sources(model):
@@ -62,13 +67,15 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
                 continue  # tied weights: loaded once, under their first name
             seen.add(id(param))
             expected[join_name(prefix, name)] = tuple(param.shape)
+    for name in resize.names if resize is not None else ():
+        expected[name] = resize.stored_shape(expected[name])
     return expected
 
 
-def check_checkpoint(ckpt: Checkpoint, model: nn.Module) -> None:
+def check_checkpoint(ckpt: Checkpoint, model: nn.Module, resize: VocabResize | None = None) -> None:
     """Every needed tensor present with the right shape, and no tensor left unexplained. Tensors stored in
     another layout than the model's (per-expert MoE tensors) are shown under the model's names first."""
-    expected = expected_tensors(model)
+    expected = expected_tensors(model, resize)
     ckpt.adapt(expected)
     for name, shape in expected.items():
         if name not in ckpt.names():
@@ -119,8 +126,9 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return local_piece(full, param.device_mesh, param.placements)
 
 
-def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
-    """(checkpoint name, how to store that full tensor) for every tensor the model needs, in module order."""
+def load_plan(model: nn.Module, resize: VocabResize | None = None) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
+    """(checkpoint name, how to store that full tensor) for every tensor the model needs, in module order; the
+    vocabulary tensors `resize` grows get their new rows first."""
     plan: list[tuple[str, Callable[[torch.Tensor], None]]] = []
     seen: set[int] = set()
     for module, prefix in module_sources(model):
@@ -136,7 +144,13 @@ def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None
                 if id(param) not in seen:
                     seen.add(id(param))
                     plan.append((join_name(prefix, name), functools.partial(copy_full, param)))
+    if resize is not None:
+        plan = [(name, _growing(resize, store) if name in resize.names else store) for name, store in plan]
     return plan
+
+
+def _growing(resize: VocabResize, store: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    return lambda full: store(resize.grow(full))
 
 
 def _quantized_rows(module: QuantizedLinear, weight: torch.Tensor) -> torch.Tensor:

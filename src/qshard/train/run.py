@@ -38,6 +38,7 @@ from qshard.parallel.distributed import (
 )
 from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
+from qshard.vocab import add_special_tokens
 
 log = logging.getLogger("qshard")
 
@@ -217,7 +218,7 @@ class _Run:
 
 def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
     """The sharded model and its trainer, with the resumed checkpoint's weights, optimizer state and schedule."""
-    model, report = build_model(cfg, env, inputs.model_dir)
+    model, report = build_model(cfg, env, inputs.model_dir, len(inputs.tokenizer))
     fingerprint = resume.fingerprint or base_fingerprint_all_ranks(cfg, env)
     if env.is_main:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
@@ -230,6 +231,7 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
         "base_fingerprint": fingerprint,
         "world_size": env.world_size,
         "global_batch": trainer.sampler.global_batch_size,
+        "vocab_size": model.config.vocab_size,  # the rows its embedding has: export rebuilds the model with them
         "config": cfg.to_dict(),
     }
     run = _Run(model, report, trainer)
@@ -280,7 +282,7 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
     if env.is_main:
         if run.report.adapted:
             export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(run.model),
-                                      base_model_name(cfg))
+                                      base_model_name(cfg), export.modules_to_save(run.model))
         _write_json_atomic(out / "summary.json", summary)
         first, last = fit.first, fit.last
         if first is not None and last is not None:
@@ -317,7 +319,8 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
 
 def _tokenizer(cfg: Config, model_dir: Path | None):
     """The model directory's tokenizer (under broadcast loading, from files rank 0 sent), or for a named
-    shape without a directory, the demo tokenizer, whose ids must fit the shape's vocabulary."""
+    shape without a directory, the demo tokenizer, whose ids must fit the shape's vocabulary; with the tokens
+    of data.add_special_tokens."""
     if cfg.model.path is None:
         from qshard.demo_tokenizer import build_demo_tokenizer
         from qshard.random_model import named_config
@@ -329,9 +332,10 @@ def _tokenizer(cfg: Config, model_dir: Path | None):
                 f"model.shape {cfg.model.shape}: its vocabulary of {vocab} tokens is smaller than the demo "
                 f"tokenizer's {len(tokenizer)}; give model.path a directory with a tokenizer that fits"
             )
-        return tokenizer
-    load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
-    return load_tokenizer(model_dir)
+    else:
+        load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
+        tokenizer = load_tokenizer(model_dir)
+    return add_special_tokens(tokenizer, cfg.data.add_special_tokens)
 
 
 def _warn_if_data_order_changes(state: dict, trainer: Trainer, env: DistEnv) -> None:
