@@ -80,7 +80,7 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
     hf_config = model_config(cfg, model_dir)
     stored_vocab = vocab.grow_vocab(cfg, hf_config, vocab_size)
     model = models.build_skeleton(hf_config, cfg)
-    resize = vocab.VocabResize.of(model, stored_vocab)
+    resize = vocab.VocabResize.attach(model, stored_vocab)  # the loader grows these tensors (loading/plan.py)
     blocks = models.find_blocks(model, cfg.model.block_class)
     report = models.prepare_modules(model, blocks, cfg)
     vocab.train_in_full(model, blocks, cfg)
@@ -88,7 +88,7 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
     models.check_adapter_memory(model, cfg, env.world_size, models.machine_memory(env.device))
     source = weight_source(cfg, env, model_dir, model)
     if not random_init(cfg):
-        loading.check_checkpoint(source, model, resize)
+        loading.check_checkpoint(source, model)
     if resize is not None and env.is_main:
         log.info("vocabulary: %d -> %d rows (data.add_special_tokens); the new rows of the embedding and head start "
                  "at the mean of the others", resize.stored, resize.rows)
@@ -108,7 +108,7 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
     with models.allocation_errors(model, cfg, env.device):
         model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else env.device)
     models.restore_buffers(model, buffers, env.device)
-    loading.load_weights(model, source, env.device, resize=resize)
+    loading.load_weights(model, source, env.device)
     with models.allocation_errors(model, cfg, env.device):
         loading.init_adapters(model, cfg.train.seed)  # each adapter in full, on the host, before it is sharded
     if cfg.parallel.cpu_offload:

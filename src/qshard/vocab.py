@@ -48,6 +48,11 @@ def grow_vocab(cfg: Config, hf_config: PretrainedConfig, tokenizer_len: int | No
     return stored
 
 
+# Where the skeleton keeps its VocabResize: the load plan and the checkpoint check read it from the model they
+# are given, as every other fact about how it is stored.
+_ATTRIBUTE = "qshard_vocab_resize"
+
+
 @dataclass(frozen=True)
 class VocabResize:
     """The embedding and head tensors (checkpoint names) that have `rows` rows in the model, `stored` in the
@@ -58,15 +63,21 @@ class VocabResize:
     names: frozenset[str]
 
     @staticmethod
-    def of(model: nn.Module, stored: int) -> VocabResize | None:
-        """The model's vocabulary tensors (tied ones once, under their first name), if it has more rows than the
-        checkpoint stores; None otherwise."""
+    def attach(model: nn.Module, stored: int) -> VocabResize | None:
+        """Note on the skeleton which of its vocabulary tensors (tied ones once, under their first name) have
+        more rows than the checkpoint's `stored`, for whatever reads its load plan (`of`); None if none has."""
         rows = model.get_input_embeddings().weight.shape[0]
         if rows == stored:
             return None
         owners = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
         params = {id(p) for m in owners for p in m.parameters(recurse=False) if p.shape[0] == rows}
-        return VocabResize(stored, rows, frozenset(n for n, p in model.named_parameters() if id(p) in params))
+        resize = VocabResize(stored, rows, frozenset(n for n, p in model.named_parameters() if id(p) in params))
+        setattr(model, _ATTRIBUTE, resize)
+        return resize
+
+    @staticmethod
+    def of(model: nn.Module) -> VocabResize | None:
+        return getattr(model, _ATTRIBUTE, None)
 
     def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (self.stored, *shape[1:])

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -22,9 +21,7 @@ from qshard.errors import QShardError
 from qshard.loading.model_dir import Checkpoint
 from qshard.parallel.mesh import local_piece
 from qshard.quant import QuantizedExperts, QuantizedLinear
-
-if TYPE_CHECKING:
-    from qshard.vocab import VocabResize
+from qshard.vocab import VocabResize
 
 
 def module_sources(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
@@ -46,9 +43,9 @@ def join_name(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def expected_tensors(model: nn.Module, resize: VocabResize | None = None) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> full shape, for every tensor the skeleton needs from the checkpoint (the vocabulary
-    tensors `resize` grows with the rows the checkpoint stores)."""
+def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> full shape, for every tensor the skeleton needs from the checkpoint (a vocabulary
+    tensor the model grows, with the rows the checkpoint stores: `VocabResize`)."""
     expected: dict[str, tuple[int, ...]] = {}
     seen: set[int] = set()
     for module, prefix in module_sources(model):
@@ -67,15 +64,16 @@ def expected_tensors(model: nn.Module, resize: VocabResize | None = None) -> dic
                 continue  # tied weights: loaded once, under their first name
             seen.add(id(param))
             expected[join_name(prefix, name)] = tuple(param.shape)
+    resize = VocabResize.of(model)
     for name in resize.names if resize is not None else ():
         expected[name] = resize.stored_shape(expected[name])
     return expected
 
 
-def check_checkpoint(ckpt: Checkpoint, model: nn.Module, resize: VocabResize | None = None) -> None:
+def check_checkpoint(ckpt: Checkpoint, model: nn.Module) -> None:
     """Every needed tensor present with the right shape, and no tensor left unexplained. Tensors stored in
     another layout than the model's (per-expert MoE tensors) are shown under the model's names first."""
-    expected = expected_tensors(model, resize)
+    expected = expected_tensors(model)
     ckpt.adapt(expected)
     for name, shape in expected.items():
         if name not in ckpt.names():
@@ -126,9 +124,9 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return local_piece(full, param.device_mesh, param.placements)
 
 
-def load_plan(model: nn.Module, resize: VocabResize | None = None) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
+def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
     """(checkpoint name, how to store that full tensor) for every tensor the model needs, in module order; the
-    vocabulary tensors `resize` grows get their new rows first."""
+    vocabulary tensors the model grows (`VocabResize`) get their new rows first."""
     plan: list[tuple[str, Callable[[torch.Tensor], None]]] = []
     seen: set[int] = set()
     for module, prefix in module_sources(model):
@@ -144,6 +142,7 @@ def load_plan(model: nn.Module, resize: VocabResize | None = None) -> list[tuple
                 if id(param) not in seen:
                     seen.add(id(param))
                     plan.append((join_name(prefix, name), functools.partial(copy_full, param)))
+    resize = VocabResize.of(model)
     if resize is not None:
         plan = [(name, _growing(resize, store) if name in resize.names else store) for name, store in plan]
     return plan

@@ -16,7 +16,7 @@ import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -24,9 +24,6 @@ import torch.nn as nn
 from qshard.errors import QShardError
 from qshard.loading.plan import load_plan
 from qshard.loading.weight_files import SafetensorsFile
-
-if TYPE_CHECKING:
-    from qshard.vocab import VocabResize
 
 log = logging.getLogger("qshard")
 
@@ -320,17 +317,16 @@ class _OneAhead:
 
 
 def load_weights(model: nn.Module, source: TensorSource, device: torch.device,
-                 options: ReadOptions | None = None, resize: VocabResize | None = None) -> None:
+                 options: ReadOptions | None = None) -> None:
     """Stream every tensor the model needs into its (sharded) parameters on `device`.
 
     From a source that can say where a tensor's bytes are (`segments`: a `Checkpoint`), several threads read
     ahead of the tensor being stored, large tensors in pieces, within the byte budget of `options` (by default
     `ReadOptions.for_device`); on CUDA through reused pinned buffers, so that copies to the device do not hold
     up this thread. Besides the rank's shards a process then holds the tensor being stored and the budget (or
-    one tensor ahead, when larger). Other sources read each tensor whole, one ahead (`_OneAhead`). `resize`: the
-    vocabulary tensors that get new rows (data.add_special_tokens)."""
+    one tensor ahead, when larger). Other sources read each tensor whole, one ahead (`_OneAhead`)."""
     device = torch.device(device)
-    plan = load_plan(model, resize)
+    plan = load_plan(model)
     names = [name for name, _ in plan]
     if hasattr(source, "segments") and getattr(source, "prefetch", True):
         reads = _ReadAhead(source, names, device, options or ReadOptions.for_device(device))
