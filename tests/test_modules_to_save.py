@@ -53,11 +53,12 @@ def _losses(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_models, eval_data):
-    """One qlora run on two ranks (full logits), the same on one rank (the chunked loss, 16 tokens a chunk), and
-    the one-rank run resumed from its step-3 checkpoint."""
+    """One qlora run on two ranks (full logits, the weights broadcast from rank 0), the same on one rank (the
+    chunked loss, 16 tokens a chunk, the weights streamed from the files), and the one-rank run resumed from its
+    step-3 checkpoint."""
     root, model = tmp_path_factory.mktemp("runs"), tiny_models("llama", num_hidden_layers=1)
     two = run_on_ranks({"two": _train_args(model, root / "two", eval_data, "--batch-size", "1", "--nproc", "2",
-                                           "--train.loss_chunk_tokens", "0")})["two"]
+                                           "--train.loss_chunk_tokens", "0", "--model.load_mode", "broadcast")})["two"]
     assert [rank.code for rank in two] == [0, 0], two[0].stderr
     assert cli_main(_train_args(model, root / "one", eval_data, "--train.loss_chunk_tokens", "16")) == 0
     assert cli_main(_train_args(model, root / "resumed", eval_data, "--train.loss_chunk_tokens", "16",
@@ -216,3 +217,18 @@ def test_bad_modules_and_untrained_new_tokens_are_one_line(tiny_models, eval_dat
     errors = [line for line in capsys.readouterr().err.splitlines() if "qshard: error:" in line]
     assert len(errors) == 1 and says in errors[0], errors
     assert not out.exists() or not any(out.iterdir())  # nothing written that looks like a run
+
+
+def test_random_weights_grow_the_same_way(tiny_models, eval_data):
+    """model.init random: the generated embedding and head get the new rows at the mean of the others too."""
+    cfg = config.resolve(None, [("model.path", str(tiny_models("llama", num_hidden_layers=1))),
+                                ("model.init", "random"), ("data.add_special_tokens", ",".join(NEW_TOKENS)),
+                                ("lora.modules_to_save", "embed_tokens,lm_head"), ("train.precision", "fp32")])
+    with _one_rank() as env:
+        model, _ = build_model(cfg, env, cfg.model.path, ROWS)
+        params = dict(model.named_parameters())
+        for name in (EMBED, HEAD):
+            grown = _full(params[name])
+            assert grown.shape == (ROWS, 128) and grown[:VOCAB].std() > 0.01
+            mean = grown[:VOCAB].mean(dim=0)  # stored by the random source in the compute dtype: fp32 here
+            torch.testing.assert_close(grown[VOCAB:], mean.expand(len(NEW_TOKENS), -1))
