@@ -69,11 +69,11 @@ def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, ma
         tensors = export.gather_lora(model)
         if env.is_main:
             export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), base_model_name(cfg),
-                                      export.modules_to_save(model))
+                                      saved_modules=export.modules_to_save(model))
     else:
         weights = export.model_weights(model, torch.bfloat16, merge_adapters=True)
         export.write_merged(out, weights, Path(cfg.model.path), env.is_main, int(max_shard_gib * 2**30),
-                            torch.bfloat16, vocab_size)
+                            torch.bfloat16, vocab_size=vocab_size)
     if env.is_main:
         log.info("exported %s from %s to %s", kind, ckpt, out)
     return out

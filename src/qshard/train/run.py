@@ -282,7 +282,7 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
     if env.is_main:
         if run.report.adapted:
             export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(run.model),
-                                      base_model_name(cfg), export.modules_to_save(run.model))
+                                      base_model_name(cfg), saved_modules=export.modules_to_save(run.model))
         _write_json_atomic(out / "summary.json", summary)
         first, last = fit.first, fit.last
         if first is not None and last is not None:
