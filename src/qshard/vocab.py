@@ -38,13 +38,14 @@ def add_special_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[str] | N
     return tokenizer
 
 
-def grow_vocab(cfg: Config, hf_config: PretrainedConfig, tokenizer_len: int | None) -> int:
+def grow_vocab(cfg: Config, hf_config: PretrainedConfig, tokenizer_len: int | None) -> int | None:
     """Give `hf_config` the rows the training tokenizer needs (`tokenizer_len`, its length) when
     data.add_special_tokens made it outgrow the base's vocabulary; never fewer rows (a base padded past its
-    tokenizer, as Qwen's are, keeps them). Returns the rows the base checkpoint stores."""
-    stored = hf_config.vocab_size
-    if cfg.data.add_special_tokens and tokenizer_len is not None and tokenizer_len > stored:
-        hf_config.vocab_size = tokenizer_len
+    tokenizer, as Qwen's are, keeps them). Returns the rows the base checkpoint stores if they grew, else None."""
+    stored = getattr(hf_config, "vocab_size", None)  # a config that has none is refused when the model is built
+    if not cfg.data.add_special_tokens or tokenizer_len is None or stored is None or tokenizer_len <= stored:
+        return None
+    hf_config.vocab_size = tokenizer_len
     return stored
 
 
@@ -63,12 +64,13 @@ class VocabResize:
     names: frozenset[str]
 
     @staticmethod
-    def attach(model: nn.Module, stored: int) -> VocabResize | None:
+    def attach(model: nn.Module, stored: int | None) -> VocabResize | None:
         """Note on the skeleton which of its vocabulary tensors (tied ones once, under their first name) have
-        more rows than the checkpoint's `stored`, for whatever reads its load plan (`of`); None if none has."""
-        rows = model.get_input_embeddings().weight.shape[0]
-        if rows == stored:
+        more rows than the checkpoint's `stored` (`grow_vocab`'s), for whatever reads its load plan (`of`); None
+        when the vocabulary did not grow."""
+        if stored is None:
             return None
+        rows = model.get_input_embeddings().weight.shape[0]
         owners = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
         params = {id(p) for m in owners for p in m.parameters(recurse=False) if p.shape[0] == rows}
         resize = VocabResize(stored, rows, frozenset(n for n, p in model.named_parameters() if id(p) in params))
