@@ -19,8 +19,9 @@ def build_optimizer(
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
-    groups = [{"params": kind, "weight_decay": cfg.weight_decay} for kind in by_kind(decay)]
-    groups += [{"params": kind, "weight_decay": 0.0} for kind in by_kind(no_decay)]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
     # The fused kernel is one launch per step on CUDA; on CPU the foreach path is the fast one. Under fp16
     # loss scaling the fused kernel is not usable: ShardedGradScaler hands it a 1-element overflow flag, which
     # fused AdamW subtracts in place from its 0-d step counters and fails ("output with shape [] doesn't match
@@ -28,14 +29,6 @@ def build_optimizer(
     fused = device.type == "cuda" and not loss_scaling
     impl = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
-
-
-def by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """FSDP2's DTensor shards and plain tensors apart (the adapters of blocks used in place beside a trained
-    embedding on one device, parallel/fsdp.py): torch's foreach and fused kernels take one kind per call."""
-    dtensors = [t for t in tensors if isinstance(t, DTensor)]
-    plain = [t for t in tensors if not isinstance(t, DTensor)]
-    return [kind for kind in (dtensors, plain) if kind]
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
@@ -64,10 +57,9 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     With FSDP2 each gradient is a DTensor holding one shard; the norm of the local pieces alone
     would differ per rank, so the total is reduced over the mesh (`full_tensor`) before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
-    norms = [torch.nn.utils.get_total_norm(kind, norm_type=2.0) for kind in by_kind(grads) or [[]]]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
     if max_norm > 0:
-        for kind in by_kind(params):
-            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
