@@ -53,15 +53,15 @@ def _losses(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_models, eval_data):
-    """One qlora run on two ranks (full logits, the weights broadcast from rank 0), the same on one rank (the
-    chunked loss, 16 tokens a chunk, the weights streamed from the files), and the one-rank run resumed from its
-    step-3 checkpoint."""
+    """One qlora run on two ranks (the chunked loss, 16 tokens a chunk, through the sharded head; the weights
+    broadcast from rank 0), the same on one rank (full logits; the weights streamed from the files), and the
+    one-rank run resumed from its step-3 checkpoint."""
     root, model = tmp_path_factory.mktemp("runs"), tiny_models("llama", num_hidden_layers=1)
     two = run_on_ranks({"two": _train_args(model, root / "two", eval_data, "--batch-size", "1", "--nproc", "2",
-                                           "--train.loss_chunk_tokens", "0", "--model.load_mode", "broadcast")})["two"]
+                                           "--train.loss_chunk_tokens", "16", "--model.load_mode", "broadcast")})["two"]
     assert [rank.code for rank in two] == [0, 0], two[0].stderr
-    assert cli_main(_train_args(model, root / "one", eval_data, "--train.loss_chunk_tokens", "16")) == 0
-    assert cli_main(_train_args(model, root / "resumed", eval_data, "--train.loss_chunk_tokens", "16",
+    assert cli_main(_train_args(model, root / "one", eval_data, "--train.loss_chunk_tokens", "0")) == 0
+    assert cli_main(_train_args(model, root / "resumed", eval_data, "--train.loss_chunk_tokens", "0",
                                 "--resume", str(root / "one" / "checkpoints" / "step-00000003"))) == 0
     return root, model
 
@@ -98,8 +98,8 @@ def _full(t):
 
 
 def test_world_sizes_agree_and_resume_is_exact(runs):
-    """Two ranks (full logits) train as one rank does (chunked loss through the trained head); the resumed run
-    continues bit for bit; the embedding and head are in every checkpoint, with their optimizer state."""
+    """Two ranks (the chunked loss through the trained, sharded head) train as one rank does (full logits); the
+    resumed run continues bit for bit; the embedding and head are in every checkpoint, with their optimizer state."""
     root, _ = runs
     one, two, resumed = _losses(root / "one"), _losses(root / "two"), _losses(root / "resumed")
     assert len(one) == STEPS
