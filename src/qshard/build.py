@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from qshard import loading, models
+from qshard import loading, models, vocab
 from qshard.config import DORA_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config, refuse_model_code
@@ -41,21 +41,23 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
 
 def training_tokenizer(cfg: Config, model_dir: Path | None):
     """The model directory's tokenizer (under broadcast loading, from files rank 0 sent), or for a named
-    shape without a directory, the demo tokenizer, whose ids must fit the shape's vocabulary."""
+    shape without a directory, the demo tokenizer, whose ids must fit the shape's vocabulary; with the tokens
+    of data.add_special_tokens."""
     if cfg.model.path is None:
         from qshard.demo_tokenizer import build_demo_tokenizer
         from qshard.random_model import named_config
 
-        vocab = named_config(cfg.model.shape).vocab_size
+        rows = named_config(cfg.model.shape).vocab_size
         tokenizer = build_demo_tokenizer()
-        if len(tokenizer) > vocab:
+        if len(tokenizer) > rows:
             raise QShardError(
-                f"model.shape {cfg.model.shape}: its vocabulary of {vocab} tokens is smaller than the demo "
+                f"model.shape {cfg.model.shape}: its vocabulary of {rows} tokens is smaller than the demo "
                 f"tokenizer's {len(tokenizer)}; give model.path a directory with a tokenizer that fits"
             )
-        return tokenizer
-    load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
-    return load_tokenizer(model_dir)
+    else:
+        load_hf_config(model_dir)  # the model directory's own errors first, before the tokenizer's
+        tokenizer = load_tokenizer(model_dir)
+    return vocab.add_special_tokens(tokenizer, cfg.data.add_special_tokens)
 
 
 def model_config(cfg: Config, model_dir: str | Path | None):
@@ -125,22 +127,30 @@ class Skeleton:
     base_params: int  # the architecture's own parameters before any swap (tied ones once)
 
 
-def skeleton(cfg: Config, model_dir: str | Path | None, world_size: int, device: torch.device) -> Skeleton:
+def skeleton(cfg: Config, model_dir: str | Path | None, world_size: int, device: torch.device,
+             vocab_size: int | None = None) -> Skeleton:
     """The checks of the model that need no weights, on the meta-device skeleton: config.json, blocks, module
-    swaps, and adapters that fit `world_size` ranks with `device`'s memory."""
-    model = models.build_skeleton(model_config(cfg, model_dir), cfg)
+    swaps, the vocabulary grown to `vocab_size` (see `build_model`), the modules trained in full, and adapters
+    that fit `world_size` ranks with `device`'s memory."""
+    hf_config = model_config(cfg, model_dir)
+    stored_vocab = vocab.grow_vocab(cfg, hf_config, vocab_size)
+    model = models.build_skeleton(hf_config, cfg)
     base_params = sum(p.numel() for p in model.parameters())
+    vocab.VocabResize.attach(model, stored_vocab)  # the loader grows these tensors (loading/plan.py)
     blocks = models.find_blocks(model, cfg.model.block_class)
     report = models.prepare_modules(model, blocks, cfg)
+    vocab.train_in_full(model, blocks, cfg)
+    vocab.check_new_tokens_trained(model, cfg)
     models.check_adapter_memory(model, cfg, world_size, models.machine_memory(device))
     return Skeleton(model, blocks, report, base_params)
 
 
-def planned_skeleton(cfg: Config, env: DistEnv, model_dir: str | Path | None, world_size: int) -> Skeleton:
+def planned_skeleton(cfg: Config, env: DistEnv, model_dir: str | Path | None, world_size: int,
+                     vocab_size: int | None = None) -> Skeleton:
     """`skeleton` for `world_size` ranks, and the checkpoint's files (index, headers, every tensor and shape)
     checked against it where this process reads them: what `build_model` checks before it reads a weight, for a
     run that stops there (`qshard train --dry-run`)."""
-    planned = skeleton(cfg, model_dir, world_size, env.device)
+    planned = skeleton(cfg, model_dir, world_size, env.device, vocab_size)
     if not random_init(cfg) and not has_weights(model_dir):  # a Hub model: a dry run fetches no weights
         if env.is_main:
             log.info("%s: the weights are not downloaded by a dry run; the run checks them before it trains",
@@ -154,14 +164,20 @@ def planned_skeleton(cfg: Config, env: DistEnv, model_dir: str | Path | None, wo
     return planned
 
 
-def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None) -> tuple[nn.Module, SwapReport]:
-    """`model_dir`: a directory this process can read (`local_model_dir`). Every check that can fail on user
-    input runs before the first weight is read."""
-    planned = skeleton(cfg, model_dir, env.world_size, env.device)
+def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
+                vocab_size: int | None = None) -> tuple[nn.Module, SwapReport]:
+    """`model_dir`: a directory this process can read (`local_model_dir`). `vocab_size`: the training
+    tokenizer's length, which the embedding and head grow to when data.add_special_tokens made it outgrow the
+    base's vocabulary. Every check that can fail on user input runs before the first weight is read."""
+    planned = skeleton(cfg, model_dir, env.world_size, env.device, vocab_size)
     model, blocks, report = planned.model, planned.blocks, planned.report
+    resize = vocab.VocabResize.of(model)
     source = weight_source(cfg, env, model_dir, model)
     if not random_init(cfg):
         loading.check_checkpoint(source, model)
+    if resize is not None and env.is_main:
+        log.info("vocabulary: %d -> %d rows (data.add_special_tokens); the new rows of the embedding and head start "
+                 "at the mean of the others", resize.stored, resize.rows)
     if report.kept:
         log.warning("%d block linear(s) kept in %s: in_features not a multiple of quant.blocksize (%s, ...)",
                     len(report.kept), precision(cfg).compute, report.kept[0])

@@ -73,6 +73,9 @@ class LoRAConfig:
     # residual (on a quantized base, the residual is what gets quantized): pissa (top-r singular directions; by a
     # full SVD, or pissa_niter_N: a randomized one with N subspace iterations, far faster) or olora (QR).
     init: Literal[LORA_INITS] = "default"
+    # Modules outside the blocks trained in full beside the adapters, by leaf name as PEFT takes them (e.g.
+    # [embed_tokens, lm_head]: what new tokens need); stored in the master dtype, with their AdamW state.
+    modules_to_save: list[str] | None = None
 
 
 # The quantization methods by quant.method name, and the quant.bits each takes: a torch-free copy of what
@@ -155,6 +158,10 @@ class DataConfig:
     cache_max_gb: float | None = 20.0
     # Processes that tokenize in parallel (1: in the main process).
     num_workers: int = 1
+    # Special tokens added to the tokenizer (those it has already are left alone); the embedding and head grow
+    # to the new vocabulary, new rows starting at the mean of the others. Needs them trained
+    # (lora.modules_to_save: [embed_tokens, lm_head]).
+    add_special_tokens: list[str] | None = None
 
 
 @dataclass
@@ -314,6 +321,7 @@ class Config:
         self._validate_parallel()
         _non_negative("checkpoint.every_steps", self.checkpoint.every_steps)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
+        self._validate_new_tokens()
         return self
 
     def _validate_lora_variants(self) -> None:
@@ -332,6 +340,16 @@ class Config:
             raise QShardError(f"lora.init: {lora.init} with train.train_type {train_type} is not supported (peft "
                               "converts PiSSA/OLoRA adapters for the original base without DoRA's magnitudes); use "
                               f"train.train_type {'qlora' if train_type == 'qdora' else 'lora'}")
+    def _validate_new_tokens(self) -> None:
+        """What needs no model: modules trained in full beside adapters only, and no empty token. Which modules
+        exist, and whether new tokens get a trained embedding and head, is checked on the model (qshard/vocab.py)."""
+        train_type = self.train.train_type
+        if self.lora.modules_to_save and train_type in ADAPTERLESS_TRAIN_TYPES:
+            trains = "every weight" if train_type == "full" else "its new blocks, and exports no adapter"
+            raise QShardError(f"lora.modules_to_save: a {train_type} run trains {trains}; it applies to adapter runs "
+                              f"({', '.join(t for t in get_args(TrainType) if t not in ADAPTERLESS_TRAIN_TYPES)})")
+        if any(not token.strip() for token in self.data.add_special_tokens or []):
+            raise QShardError(f"data.add_special_tokens: an empty token in {self.data.add_special_tokens}")
 
     def _validate_quant(self) -> None:
         """The method's own rules (QUANT_BITS), and a method chosen only where the base is quantized (the

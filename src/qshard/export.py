@@ -21,6 +21,7 @@ from qshard.adapters.from_base import as_plain_lora, factors_from_base, plain_lo
 from qshard.config import LoRAConfig
 from qshard.loading import WEIGHT_SUFFIXES, join_name, module_sources
 from qshard.quant import QuantizedExperts, QuantizedLinear
+from qshard.vocab import tied
 
 if TYPE_CHECKING:
     from qshard.export_tokenizer import ExportTokenizer
@@ -32,8 +33,9 @@ DORA_MAGNITUDE = "lora_magnitude_vector"
 
 
 def gather_lora(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) LoRA tensors on CPU, keyed by PEFT's names. Adapters that started from their base
-    (PiSSA, OLoRA) are written as the rank-2r LoRA of what training added, for the original base.
+    """Full (unsharded) LoRA tensors on CPU, keyed by PEFT's names, and those of the modules trained in full
+    beside them (lora.modules_to_save). Adapters that started from their base (PiSSA, OLoRA) are written as the
+    rank-2r LoRA of what training added, for the original base.
 
     A collective: every rank must call it, and every rank gets the result."""
     tensors = {}
@@ -46,7 +48,42 @@ def gather_lora(model: nn.Module) -> dict[str, torch.Tensor]:
             tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.contiguous()
             if isinstance(module, DoRALinear):
                 tensors[f"{PEFT_PREFIX}{name}.{DORA_MAGNITUDE}"] = _full(module.magnitude).cpu().contiguous()
+    return tensors | _gather_trained_in_full(model)
+
+
+def _trained_in_full(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules trained whole beside the adapters, by full name: both modules of a tied embedding and head."""
+    adapter_params = {id(p) for m in model.modules() if isinstance(m, LoRALinear) for p in m.parameters(recurse=False)}
+    return {fqn: m for fqn, m in model.named_modules()
+            if any(p.requires_grad and id(p) not in adapter_params for p in m.parameters(recurse=False))}
+
+
+def _gather_trained_in_full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Their full tensors, under PEFT's names for modules_to_save (the original module's, e.g.
+    `base_model.model.lm_head.weight`); a tied weight under each of its names, as PEFT saves it."""
+    tensors: dict[str, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor] = {}
+    for fqn, module in _trained_in_full(model).items():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in gathered:  # safetensors stores no two names for one tensor's memory
+                full = gathered[id(param)].clone()
+            else:
+                full = gathered[id(param)] = _full(param).cpu().contiguous()
+            tensors[f"{PEFT_PREFIX}{fqn}.{name}"] = full
     return tensors
+
+
+def modules_to_save(model: nn.Module) -> dict | None:
+    """adapter_config.json's entries for the modules trained in full (None: there are none): each by its leaf
+    name, or by its full name where the leaf would match other modules too (PEFT matches names as suffixes), and
+    PEFT's `ensure_weight_tying` for a tied embedding and head, which PEFT then keeps tied as qshard trained them."""
+    saved = _trained_in_full(model)
+    if not saved:
+        return None
+    names = [n for n, _ in model.named_modules()]
+    unique = [fqn if any(n.endswith(fqn.rsplit(".", 1)[-1]) and n != fqn for n in names) else fqn.rsplit(".", 1)[-1]
+              for fqn in saved]
+    return {"modules_to_save": unique, "ensure_weight_tying": tied(model)}
 
 
 def target_modules(model: nn.Module) -> list[str] | str:
@@ -73,11 +110,13 @@ def write_peft_adapter(
     base_model: str,
     tokenizer: ExportTokenizer | None = None,
     revision: str | None = None,
+    saved_modules: dict | None = None,
 ) -> None:
     """Write the adapter to `dest` (see `outputs.staged`: complete or not at all, and replacing nothing but
     a previous adapter export), with `tokenizer`'s files and generation config. `base_model` and `revision`: the
     base's Hub id and commit, or its directory. PiSSA/OLoRA tensors (`gather_lora`) are a plain LoRA of twice
-    the rank, with the alpha that keeps the scaling, as peft's own conversion writes them."""
+    the rank, with the alpha that keeps the scaling, as peft's own conversion writes them. `saved_modules`:
+    `modules_to_save(model)`."""
     from_base = factors_from_base(lora.init) is not None  # PiSSA/OLoRA: written as a LoRA of twice the rank
     config = {
         "peft_type": "LORA",
@@ -99,6 +138,7 @@ def write_peft_adapter(
         "layers_pattern": None,
         "rank_pattern": {},
         "alpha_pattern": {},
+        **(saved_modules or {}),
     }
     with outputs.staged(dest, kind="adapter") as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -161,9 +201,11 @@ def base_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16):
     return model_weights(model, dtype, merge_adapters=False)
 
 
-def _retype_config(path: Path, dtype: torch.dtype, base_name: str | None = None) -> None:
-    """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared. Where
-    the config says where the model came from, that becomes `base_name` if one is given."""
+def _retype_config(path: Path, dtype: torch.dtype, base_name: str | None = None,
+                   vocab_size: int | None = None) -> None:
+    """The merged weights are plain `dtype` tensors: say so, and drop any quantization the base declared; the
+    embedding has `vocab_size` rows (data.add_special_tokens may have added some). Where the config says where
+    the model came from, that becomes `base_name` if one is given."""
     config = json.loads(path.read_text())
     if base_name is not None and "_name_or_path" in config:
         config["_name_or_path"] = base_name
@@ -172,6 +214,8 @@ def _retype_config(path: Path, dtype: torch.dtype, base_name: str | None = None)
     config["dtype"] = name
     if "torch_dtype" in config:
         config["torch_dtype"] = name
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
     path.write_text(json.dumps(config, indent=2))
 
 
@@ -184,12 +228,13 @@ def write_merged(
     dtype: torch.dtype = torch.bfloat16,
     tokenizer: ExportTokenizer | None = None,
     base_name: str | None = None,
+    vocab_size: int | None = None,
 ) -> None:
     """Write a Hugging Face model directory (config, tokenizer, sharded safetensors) from `weights`, with
     `tokenizer`'s files and generation config in place of the base's copies,
     holding at most one shard in memory (see `outputs.staged`: complete or not at all, and replacing nothing
     but a previous merged export). Every rank consumes `weights` (it gathers shards); only the main rank
-    writes."""
+    writes. `vocab_size`: the embedding's rows, when they differ from the base's config.json."""
     if not is_main:
         for _ in weights:  # the gathers are collectives: take part in each
             pass
@@ -198,7 +243,7 @@ def write_merged(
         _copy_model_files(base_dir, tmp)
         if tokenizer is not None:
             tokenizer.write(tmp)
-        _retype_config(tmp / "config.json", dtype, base_name)
+        _retype_config(tmp / "config.json", dtype, base_name, vocab_size)
         _write_shards(tmp, weights, max_shard_bytes)
 
 

@@ -70,17 +70,18 @@ def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, ma
     model_dir, _ = resolve_model(cfg, env, state.get("base_commit"))
     checkpoint.check_compatible(ckpt, state, cfg, base_fingerprint_all_ranks(cfg, env, model_dir))
     tokenizer = export_tokenizer(cfg, training_tokenizer(cfg, model_dir), model_dir)  # its errors before the build
-    model, report = build_model(cfg, env, model_dir)
+    vocab_size = state.get("vocab_size")  # the rows the run's embedding had (data.add_special_tokens may add some)
+    model, report = build_model(cfg, env, model_dir, vocab_size)
     checkpoint.load(ckpt, model, optimizer=None)
     if kind == "adapter":
         tensors = export.gather_lora(model)
         if env.is_main:
             export.write_peft_adapter(out, tensors, cfg.lora, export.target_modules(model), name, tokenizer,
-                                      revision)
+                                      revision, saved_modules=export.modules_to_save(model))
     else:
         weights = export.model_weights(model, torch.bfloat16, merge_adapters=True)
         export.write_merged(out, weights, model_dir, env.is_main, int(max_shard_gib * 2**30), torch.bfloat16,
-                            tokenizer, base_name=name if base_name else None)
+                            tokenizer, base_name=name if base_name else None, vocab_size=vocab_size)
     if env.is_main:
         log.info("exported %s from %s to %s", kind, ckpt, out)
     return out

@@ -22,6 +22,7 @@ from qshard.errors import QShardError
 from qshard.loading.model_dir import Checkpoint
 from qshard.parallel.mesh import local_piece
 from qshard.quant import QuantizedExperts, QuantizedLinear
+from qshard.vocab import VocabResize
 
 
 def module_sources(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
@@ -44,7 +45,8 @@ def join_name(prefix: str, name: str) -> str:
 
 
 def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> full shape, for every tensor the skeleton needs from the checkpoint."""
+    """Checkpoint name -> full shape, for every tensor the skeleton needs from the checkpoint (a vocabulary
+    tensor the model grows, with the rows the checkpoint stores: `VocabResize`)."""
     expected: dict[str, tuple[int, ...]] = {}
     seen: set[int] = set()
     for module, prefix in module_sources(model):
@@ -63,6 +65,9 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
                 continue  # tied weights: loaded once, under their first name
             seen.add(id(param))
             expected[join_name(prefix, name)] = tuple(param.shape)
+    resize = VocabResize.of(model)
+    for name in resize.names if resize is not None else ():
+        expected[name] = resize.stored_shape(expected[name])
     return expected
 
 
@@ -121,7 +126,8 @@ def local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
-    """(checkpoint name, how to store that full tensor) for every tensor the model needs, in module order."""
+    """(checkpoint name, how to store that full tensor) for every tensor the model needs, in module order; the
+    vocabulary tensors the model grows (`VocabResize`) get their new rows first."""
     plan: list[tuple[str, Callable[[torch.Tensor], None]]] = []
     seen: set[int] = set()
     splits: dict[int, LoRALinear] = {}  # id of a base -> its adapter, where the adapter starts from that base
@@ -145,6 +151,9 @@ def load_plan(model: nn.Module) -> list[tuple[str, Callable[[torch.Tensor], None
                     if name == "weight":
                         store = _split_first(splits.get(id(module)), store)
                     plan.append((join_name(prefix, name), store))
+    resize = VocabResize.of(model)
+    if resize is not None:
+        plan = [(name, _growing(resize, store) if name in resize.names else store) for name, store in plan]
     return plan
 
 
@@ -155,6 +164,10 @@ def _split_first(adapter: LoRALinear | None, store: Callable[[torch.Tensor], Non
     if adapter is None:
         return store
     return lambda weight: store(adapter.split_base(weight))
+
+
+def _growing(resize: VocabResize, store: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    return lambda full: store(resize.grow(full))
 
 
 def _quantized_rows(module: QuantizedLinear, weight: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     parallel, prec = cfg.parallel, precision(cfg)
     how = parallel.quant_sharding
     quantized = quantized_blocks(blocks) if how == "fsdp" else []
-    in_place = quantized if blocks_in_place(mesh, parallel) else []  # one device: no units for them
+    in_place = quantized if blocks_in_place(mesh, parallel) and not trained_outside(model, blocks) else []
     if how == "fsdp":
         storage_for_units(model, blocks, in_place, mesh)
         # FSDP2's copies must keep every byte of the storage: verified on this mesh before any weight is read.
@@ -70,6 +70,14 @@ def blocks_in_place(mesh: DeviceMesh, parallel: ParallelConfig) -> bool:
     its parameters as plain tensors, used in place, changes no numbers. The same holds for a frozen embedding
     or head in the compute dtype (`frozen_uncast`). CPU offload needs FSDP2 (its policy moves them)."""
     return mesh.size() == 1 and not parallel.cpu_offload
+
+
+def trained_outside(model: nn.Module, blocks: list[nn.Module]) -> bool:
+    """Whether weights outside the blocks train (lora.modules_to_save). Their units hold them as DTensor shards,
+    which torch's foreach kernels (the optimizer's, the fp16 loss scaler's) take only with other DTensors: the
+    adapters of blocks used in place would be plain tensors, so the blocks keep their units."""
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    return any(p.requires_grad and id(p) not in inside for p in model.parameters())
 
 
 def storage_in_dtensor_buffers(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,

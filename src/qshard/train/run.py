@@ -251,7 +251,7 @@ class _Run:
 
 def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
     """The sharded model and its trainer, with the resumed checkpoint's weights, optimizer state and schedule."""
-    model, report = build_model(cfg, env, inputs.model_dir)
+    model, report = build_model(cfg, env, inputs.model_dir, len(inputs.tokenizer))
     fingerprint = resume.fingerprint or base_fingerprint_all_ranks(cfg, env, inputs.model_dir)
     if env.is_main:
         log.info("%s | world size %d on %s", describe(model, report, cfg), env.world_size, env.device.type)
@@ -265,6 +265,7 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
         "base_commit": inputs.commit,
         "world_size": env.world_size,
         "global_batch": trainer.sampler.global_batch_size,
+        "vocab_size": model.config.vocab_size,  # the rows its embedding has: export rebuilds the model with them
         "config": cfg.to_dict(),
     }
     run = _Run(model, report, trainer)
@@ -277,7 +278,7 @@ def _print_plan(cfg: Config, env: DistEnv, out: Path, inputs: _Inputs, resume: _
     """A dry run's last step: the model checked on the meta device against its files, the batch against the data
     for the world size the run would have (`parallel.nproc` ranks when not started yet), and the plan printed."""
     world = env.world_size if env.world_size > 1 else cfg.parallel.nproc
-    planned = planned_skeleton(cfg, env, inputs.model_dir, world)
+    planned = planned_skeleton(cfg, env, inputs.model_dir, world, len(inputs.tokenizer))
     sampler, steps = Trainer.plan(cfg, len(inputs.train), dataclasses.replace(env, world_size=world, rank=0))
     plan = RunPlan(cfg, planned, world, inputs.train, inputs.eval, steps, sampler.steps_per_epoch, out,
                    resume.path, resume.state["step"] if resume.state else 0)
@@ -330,7 +331,8 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
         if run.report.adapted:
             export.write_peft_adapter(out / "adapter", adapter_tensors, cfg.lora, export.target_modules(run.model),
                                       base_model_name(cfg), exported,
-                                      revision=trainer.checkpoint_meta["base_commit"])
+                                      revision=trainer.checkpoint_meta["base_commit"],
+                                      saved_modules=export.modules_to_save(run.model))
         _write_json_atomic(out / "summary.json", summary)
         first, last = fit.first, fit.last
         if first is not None and last is not None:
