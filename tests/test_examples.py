@@ -158,10 +158,13 @@ def test_dry_run_leaves_an_existing_output_dir_as_it_was(tiny_models, data_files
     before = [(p.name, p.stat().st_mtime_ns) for p in out.iterdir()], out.stat().st_mtime_ns
     argv = ["train", "--config", str(EXAMPLES / "qlora-8b.yaml"), "--model", str(tiny_models("llama")),
             "--data", str(data_files("instruction", False)), "--output-dir", str(out),
-            "--data.cache_dir", str(tmp_path / "cache"), "--nproc", "2", "--dry-run"]
+            "--data.cache_dir", str(tmp_path / "cache"), "--nproc", "2", "--dry-run", "--lora.use_rslora", "true",
+            "--lora.plus_lr_ratio", "16", "--lora.init", "olora", "--lora.modules_to_save", "[lm_head]"]
     code, stdout, err = _dry_run(argv, capsys)
     assert code == 0, err
-    assert _plan(stdout)["parallel"].startswith("2 rank(s)")  # planned for, not launched
+    plan = _plan(stdout)
+    assert plan["parallel"].startswith("2 rank(s)")  # planned for, not launched
+    assert plan["train type"].endswith("rsLoRA, LoRA+ x16, init olora; trained in full: lm_head")
     assert ([(p.name, p.stat().st_mtime_ns) for p in out.iterdir()], out.stat().st_mtime_ns) == before
 
 

@@ -45,7 +45,7 @@ def run(tiny_models, tmp_path_factory):
             "--train.precision", "fp32", "--checkpoint.async_save", "false"]
     assert cli.main([str(a) for a in args]) == 0
     assert cli.main(["export", "merged", "--run", str(out)]) == 0
-    return {"base": base, "out": out}
+    return {"base": base, "out": out, "data": data}
 
 
 def test_merged_export_stops_at_the_end_of_turn_and_round_trips_the_template(run):
@@ -69,6 +69,37 @@ def test_merged_export_stops_at_the_end_of_turn_and_round_trips_the_template(run
         new = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
         assert len(new) < MAX_NEW_TOKENS and new[-1] in ends, tokenizer.decode(new)
         assert tokenizer.decode(new, skip_special_tokens=True) == answer + "<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def run_with_new_tokens(run, tmp_path_factory):
+    """The same base and data, with chatml's markers added as tokens and the embedding and head trained."""
+    out = tmp_path_factory.mktemp("new-tokens") / "run"
+    args = ["train", "--model", run["base"], "--data", run["data"], "--output-dir", out, "--data.chat_template",
+            "chatml", "--data.add_special_tokens", '["<|im_start|>", "<|im_end|>"]', "--lora.modules_to_save",
+            "[embed_tokens, lm_head]", "--max-length", "128", "--batch-size", "8", "--max-steps", "40", "--lr",
+            "3e-3", "--optim.warmup_steps", "5", "--lora-rank", "16", "--lora.alpha", "32", "--train.precision",
+            "fp32", "--checkpoint.async_save", "false", "--data.eval_fraction", "0"]
+    assert cli.main([str(a) for a in args]) == 0
+    assert cli.main(["export", "merged", "--run", str(out)]) == 0
+    return out
+
+
+def test_added_end_of_turn_token_is_exported_and_generation_stops_at_it(run_with_new_tokens):
+    """New tokens, trained embeddings and head, and the template together: what a user training a chat format
+    into a base model runs. The merged model's vocabulary is the tokenizer's, and `generate` stops at <|im_end|>."""
+    merged = run_with_new_tokens / "merged"
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert model.config.vocab_size == len(tokenizer) == model.get_input_embeddings().weight.shape[0]
+    ends = json.loads((merged / "generation_config.json").read_text())["eos_token_id"]
+    assert ends == [im_end, tokenizer.eos_token_id]
+    for question, answer in ANSWERS.items():
+        ids = tokenizer.apply_chat_template(conversation(question), add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        new = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert new[-1] == im_end and tokenizer.decode(new[:-1]) == answer, tokenizer.decode(new)
 
 
 def test_the_adapter_carries_the_template_and_the_end_tokens(run):

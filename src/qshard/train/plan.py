@@ -70,8 +70,20 @@ class RunPlan:
             kind = "DoRA" if cfg.train.train_type in DORA_TRAIN_TYPES else "LoRA"
             names = sorted({fqn.rsplit(".", 1)[-1] for fqn in report.adapted})
             parts.append(f"{kind} r={cfg.lora.rank} alpha={cfg.lora.alpha:g} dropout={cfg.lora.dropout:g} on "
-                         f"{len(report.adapted)} linears ({', '.join(names)})")
+                         f"{len(report.adapted)} linears ({', '.join(names)}){self._variants()}")
+        if cfg.lora.modules_to_save:
+            parts.append(f"trained in full: {', '.join(cfg.lora.modules_to_save)}")
         return "; ".join(parts)
+
+    def _variants(self) -> str:
+        lora, chosen = self.cfg.lora, []
+        if lora.use_rslora:
+            chosen.append("rsLoRA")
+        if lora.plus_lr_ratio:
+            chosen.append(f"LoRA+ x{lora.plus_lr_ratio:g}")
+        if lora.init != "default":
+            chosen.append(f"init {lora.init}")
+        return "".join(f", {name}" for name in chosen)
 
     def _trainable(self) -> str:
         trainable = sum(p.numel() for p in self.model.model.parameters() if p.requires_grad)
