@@ -102,12 +102,7 @@ def test_rslora_and_lora_plus_export_to_peft_and_resume_exactly(tiny_models, tmp
     # where alpha/r would be 2).
     adapter_config = json.loads((result.out / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["use_rslora"] is True and adapter_config["r"] == 4
-    ours = _logits(model)
-    twin = _peft_on_original_base(model_dir, result.out / "adapter")
-    assert _relative_error(ours, _logits(twin)) <= 1e-5
-    with twin.disable_adapter():
-        assert _relative_error(ours, _logits(twin)) > 1e-3
-    _check_merged(model, model_dir, ours, tmp_path, 1e-5)
+    _check_peft_and_merged(model, model_dir, result.out / "adapter", tmp_path)
 
     # LoRA+: every B factor, and only those, in groups of their own at 16x the lr, after a scheduler step too.
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"), plus_lr_ratio=cfg.lora.plus_lr_ratio)
@@ -153,6 +148,17 @@ def _base_weight(adapter) -> torch.Tensor:
     return (weight.full_tensor() if hasattr(weight, "full_tensor") else weight).float()
 
 
+def _check_peft_and_merged(model, model_dir: Path, adapter: Path, tmp_path: Path) -> None:
+    """peft on the original base with the exported adapter, and the merged export, compute what qshard does (and
+    the base without the adapter does not)."""
+    ours = _logits(model)
+    twin = _peft_on_original_base(model_dir, adapter)
+    assert _relative_error(ours, _logits(twin)) <= 1e-5
+    with twin.disable_adapter():
+        assert _relative_error(ours, _logits(twin)) > 1e-3
+    _check_merged(model, model_dir, ours, tmp_path, 1e-5)
+
+
 def _adapters(model) -> dict[str, torch.nn.Module]:
     from qshard.adapters import LoRALinear
 
@@ -179,12 +185,7 @@ def test_pissa_and_olora_export_a_lora_for_the_original_base(init, tiny_models, 
     # peft, on the original base, loads the rank-2r LoRA of what training added and computes what qshard does.
     adapter_config = json.loads((result.out / "adapter" / "adapter_config.json").read_text())
     assert (adapter_config["r"], adapter_config["lora_alpha"], adapter_config["init_lora_weights"]) == (8, 16.0, True)
-    ours = _logits(model)
-    twin = _peft_on_original_base(model_dir, result.out / "adapter")
-    assert _relative_error(ours, _logits(twin)) <= 1e-5
-    with twin.disable_adapter():
-        assert _relative_error(ours, _logits(twin)) > 1e-3
-    _check_merged(model, model_dir, ours, tmp_path, 1e-5)
+    _check_peft_and_merged(model, model_dir, result.out / "adapter", tmp_path)
 
     if init == "olora":  # OLoRA's residual depends on the scaling: a resume with another alpha would change the base
         other = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, alpha=4.0))
