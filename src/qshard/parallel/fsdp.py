@@ -35,7 +35,8 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     parallel, prec = cfg.parallel, precision(cfg)
     how = parallel.quant_sharding
     quantized = quantized_blocks(blocks) if how == "fsdp" else []
-    in_place = quantized if blocks_in_place(mesh, parallel) and not trained_outside(model, blocks) else []
+    scaled_mixed = prec.loss_scaling and trained_outside(model, blocks)
+    in_place = quantized if blocks_in_place(mesh, parallel) and not scaled_mixed else []
     if how == "fsdp":
         storage_for_units(model, blocks, in_place, mesh)
         # FSDP2's copies must keep every byte of the storage: verified on this mesh before any weight is read.
@@ -74,8 +75,9 @@ def blocks_in_place(mesh: DeviceMesh, parallel: ParallelConfig) -> bool:
 
 def trained_outside(model: nn.Module, blocks: list[nn.Module]) -> bool:
     """Whether weights outside the blocks train (lora.modules_to_save). Their units hold them as DTensor shards,
-    which torch's foreach kernels (the optimizer's, the fp16 loss scaler's) take only with other DTensors: the
-    adapters of blocks used in place would be plain tensors, so the blocks keep their units."""
+    beside the plain-tensor adapters of blocks used in place: the optimizer and clipping take the two kinds
+    apart (train/optim.py), but the fp16 loss scaler unscales every gradient in one foreach call, which takes no
+    such mix, so under fp16 the blocks keep their units."""
     inside = {id(p) for b in blocks for p in b.parameters()}
     return any(p.requires_grad and id(p) not in inside for p in model.parameters())
 

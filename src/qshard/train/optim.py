@@ -22,7 +22,15 @@ def build_optimizer(
     their own, after the lr groups, so that the scheduler scales every group and group 0 keeps the base lr."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     fast = lora_plus_params(model) if plus_lr_ratio else set()
-    groups = _decay_groups([p for p in trainable if id(p) not in fast], cfg.lr, cfg.weight_decay)
+    adapters = adapter_params(model)
+    # Adapters and weights trained in full (lora.modules_to_save) in groups of their own: on one device the
+    # adapters of blocks used in place are plain tensors and the others DTensors, which one fused or foreach
+    # call does not take together. The split is by role, not by kind, so a checkpoint's groups are the same at
+    # every world size.
+    slow = [p for p in trainable if id(p) not in fast]
+    parts = [part for part in ([p for p in slow if id(p) in adapters], [p for p in slow if id(p) not in adapters])
+             if part]
+    groups = [g for part in parts or [[]] for g in _decay_groups(part, cfg.lr, cfg.weight_decay)]
     if fast:
         groups += [g for g in _decay_groups([p for p in trainable if id(p) in fast], cfg.lr * plus_lr_ratio,
                                             cfg.weight_decay) if g["params"]]
@@ -42,6 +50,12 @@ def _decay_groups(params: list[torch.Tensor], lr: float, weight_decay: float) ->
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0, "lr": lr})
     return groups
+
+
+def adapter_params(model: nn.Module) -> set[int]:
+    """ids of the adapters' own parameters (A, B, DoRA's magnitudes), not their frozen bases'."""
+    return {id(p) for m in model.modules() if isinstance(m, LoRALinear) for n, p in m.named_parameters()
+            if not n.startswith("base.")}
 
 
 def lora_plus_params(model: nn.Module) -> set[int]:
@@ -80,11 +94,20 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients across every shard, and clip to `max_norm` if it is > 0.
 
     With FSDP2 each gradient is a DTensor holding one shard; the norm of the local pieces alone
-    would differ per rank, so the total is reduced over the mesh (`full_tensor`) before clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    would differ per rank, so the total is reduced over the mesh (`full_tensor`) before clipping. Plain
+    gradients (adapters of blocks used in place) beside DTensor ones are normed and clipped apart, then combined."""
+    with_grad = [p for p in params if p.grad is not None]
+    sharded = [p for p in with_grad if isinstance(p.grad, DTensor)]
+    plain = [p for p in with_grad if not isinstance(p.grad, DTensor)]
+    kinds = [kind for kind in (sharded, plain) if kind] or [[]]
+    norms = [_norm([p.grad for p in kind]) for kind in kinds]
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for kind in kinds:
+            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
     return total
+
+
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    return total.full_tensor() if isinstance(total, DTensor) else total
