@@ -21,6 +21,7 @@ from qshard.train.loss import build_loss, loss_positions
 from qshard.train.metrics import MetricsLog, Progress, device_memory_gib, mfu_per_token_rate, peak_memory_gib
 from qshard.train.nan_policy import NonFiniteError, build_nan_policy
 from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from qshard.train.profiler import profiled
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -100,6 +101,7 @@ class Trainer:
         self.current_step = 0  # the step `fit` runs (1-based), for the message of a collective that fails in it
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
+        self.fit_step = profiled(self._fit_step, cfg, env)  # train.profile_steps, or _fit_step itself
 
     @staticmethod
     def plan(cfg: Config, n_examples: int, env: DistEnv) -> tuple[GlobalBatchSampler, int]:
@@ -217,7 +219,7 @@ class Trainer:
         result = FitResult(first=first, last=first, records=[])
         try:
             for step in range(start_step, self.total_steps):
-                self._fit_step(step, metrics, checkpoints, result)
+                self.fit_step(step, metrics, checkpoints, result)
                 if result.preempted:
                     break
         except NonFiniteError:
