@@ -29,8 +29,9 @@ def run_plot(runs: list[Path], out: Path | None) -> Path:
     pyplot = _pyplot()
     metrics = {run: read_metrics(run) for run in runs}  # every run checked before anything is drawn
     out = out or (runs[0] / "plot.png" if len(runs) == 1 else Path("plot.png"))
-    fig, axes = pyplot.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.6), squeeze=False)
-    for ax, (field, title) in zip(axes[0], PANELS, strict=True):
+    fig, grid = pyplot.subplots(2, 3, figsize=(13, 7))
+    axes = grid.flat
+    for ax, (field, title) in zip(axes, PANELS, strict=False):
         for run, records in metrics.items():
             points = [(r["step"], r[field]) for r in records if field in r]
             if points:
@@ -39,7 +40,8 @@ def run_plot(runs: list[Path], out: Path | None) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize="small")
+    grid[0][0].legend(fontsize="small")
+    grid[-1][-1].axis("off")  # five panels on a grid of six
     fig.tight_layout()
     with writing(out):
         write_atomic(out, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
