@@ -22,7 +22,7 @@ log = logging.getLogger("qshard")
 TRACE_FILE = "trace.json"
 MEMORY_FILE = "memory_snapshot.pickle"
 # Allocator events kept for the memory snapshot (older ones are dropped): enough for a few steps of a large model.
-MEMORY_EVENTS = 1_000_000
+MEMORY_EVENTS = 100_000
 
 
 def check_profile_steps(profile_steps: list[int] | None, total_steps: int) -> None:
