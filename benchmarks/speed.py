@@ -9,7 +9,8 @@ activation checkpointing, AdamW, constant lr), each in a fresh process, and prin
 
   median step time over the steps after warm-up, tok/s, MFU, peak allocated GPU memory, ratio to the reference.
 
-MFU = tok/s x 6 x N / peak, where N counts the weights of every matmul a token goes through (the blocks'
+MFU = tok/s x 6 x N / peak, as the training log line computes it (qshard.train.metrics.matmul_flops_per_token
+and peak_bf16_flops), where N counts the weights of every matmul a token goes through (the blocks'
 linears and the output head; not the input embedding, attention scores, or the LoRA factors) and 6 is
 forward + recomputation under checkpointing + the backward to the activations (the frozen base needs no
 weight gradients); peak is the GPU's dense bf16 rate (989.4 TFLOP/s for H100/H200 SXM).
@@ -26,7 +27,6 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -37,25 +37,27 @@ def run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"failed ({proc.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail))
 
 
-def matmul_params(args) -> int:
-    """Weights per token's matmuls: every block linear plus the head (the input embedding is a lookup)."""
+def flops_per_token(args) -> int:
+    """Training FLOPs per token of the model's matmuls, counted as the training log line counts them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from qshard.random_model import named_config
+    from qshard.train.metrics import matmul_flops_per_token
 
     config = named_config(args.shape) if args.shape else AutoConfig.from_pretrained(args.ckpt)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return matmul_flops_per_token(model)
 
 
 def gpu_peak_flops() -> tuple[str, float | None]:
     import torch
 
+    from qshard.train.metrics import peak_bf16_flops
+
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    return name, peak
+    return name, peak_bf16_flops(name)
 
 
 def prepare_inputs(args) -> Path:
@@ -122,13 +124,13 @@ def run_system(system: str, args, base: list[str], data: Path) -> dict:
 
 def report_results(results: list[dict], args) -> None:
     device, peak = gpu_peak_flops()
-    flops_per_token = 6 * matmul_params(args)
+    per_token = flops_per_token(args)
     reference = next((r for r in results if r["system"] == "transformers+peft+bnb"), None)
     for r in results:
-        r["mfu"] = r["tokens_per_s"] * flops_per_token / peak if peak else None
+        r["mfu"] = r["tokens_per_s"] * per_token / peak if peak else None
         r["vs_reference"] = r["tokens_per_s"] / reference["tokens_per_s"] if reference else None
     report = {"device": device, "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-              "flops_per_token": flops_per_token, "results": results,
+              "flops_per_token": per_token, "results": results,
               "torch": __import__("torch").__version__}
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
 

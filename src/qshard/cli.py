@@ -1,4 +1,5 @@
-"""Command line: `qshard train ...`, `qshard make-checkpoint ...`, `qshard export ...`, `qshard expand ...`.
+"""Command line: `qshard train ...`, `qshard make-checkpoint ...`, `qshard export ...`, `qshard expand ...`,
+`qshard plot ...`.
 
 Every configuration key can be set as `--section.key VALUE` (or `--section.key=VALUE`); the common
 ones also have short flags. Order of precedence: defaults < `--config FILE` < flags, in order given.
@@ -118,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     grow.add_argument("--output", required=True, help="the new model directory (must not exist, or be empty)")
     grow.add_argument("--new-blocks", type=int, required=True, help="blocks to add; must divide the layer count")
     grow.add_argument("--max-shard-gib", type=float, help="largest safetensors file (default: as the input's)")
+    plot = sub.add_parser("plot", help="draw runs' loss, held-out loss, lr, tok/s and memory into one PNG")
+    plot.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="run output directories")
+    plot.add_argument("--out", type=Path, help="the PNG (default: RUN/plot.png for one run, plot.png for several)")
     return parser
 
 
@@ -197,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args, extra)
         if args.command == "expand":
             return _expand(args, extra)
+        if args.command == "plot":
+            return _plot(args, extra)
         cfg = parse_train_config(args, extra)
         if cfg.parallel.nproc > 1 and not launcher.launched() and not args.dry_run:  # a dry run plans the ranks
             return launcher.launch(cfg.parallel.nproc, argv)
@@ -267,4 +273,13 @@ def _expand(args: argparse.Namespace, extra: list[str]) -> int:
     new = expand_checkpoint(args.model, args.output, args.new_blocks, shard)
     log.info("wrote %s with %d new blocks (layers %s); train them with --train-type llama_pro",
              args.output, len(new), new)
+    return 0
+
+
+def _plot(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise QShardError(f"unknown argument '{extra[0]}' for plot")
+    from qshard.plot_cmd import run_plot
+
+    run_plot(args.runs, args.out)
     return 0

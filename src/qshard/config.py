@@ -204,6 +204,9 @@ class TrainConfig:
     # A step whose loss or gradient norm is NaN or infinite: error ends the run naming the step, before its
     # metrics line or any checkpoint after it; skip_step leaves the weights as they were and goes on.
     nan_policy: Literal["error", "skip_step"] = "error"
+    # [a, b]: a torch profiler trace of steps a..b (1-based, inclusive) and, on CUDA, a memory snapshot of the
+    # same steps, written by rank 0 into OUTPUT/profile/. Empty: no profiling.
+    profile_steps: list[int] | None = None
 
 
 @dataclass
@@ -313,6 +316,7 @@ class Config:
         _non_negative("train.eval_every", self.train.eval_every)
         _positive("train.log_every", self.train.log_every)
         _non_negative("train.loss_chunk_tokens", self.train.loss_chunk_tokens)
+        self._validate_profile_steps()
         _positive("parallel.nproc", self.parallel.nproc)
         for name in ("timeout_s", "load_timeout_s"):
             _positive(f"parallel.{name}", getattr(self.parallel, name))
@@ -323,6 +327,12 @@ class Config:
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         self._validate_new_tokens()
         return self
+
+    def _validate_profile_steps(self) -> None:
+        """[a, b] with 1 <= a <= b; that b is within the run is checked once the data gives its step count."""
+        steps = self.train.profile_steps
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise QShardError(f"train.profile_steps must be [first, last] steps with 1 <= first <= last, got {steps}")
 
     def _validate_lora_variants(self) -> None:
         lora, train_type = self.lora, self.train.train_type

@@ -18,9 +18,10 @@ from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
 from qshard.precision import precision
 from qshard.train.loss import build_loss, loss_positions
-from qshard.train.metrics import MetricsLog, Progress, peak_memory_gib
+from qshard.train.metrics import MetricsLog, Progress, device_memory_gib, mfu_per_token_rate, peak_memory_gib
 from qshard.train.nan_policy import NonFiniteError, build_nan_policy
 from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from qshard.train.profiler import profiled
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -93,12 +94,14 @@ class Trainer:
         self.nan_policy = build_nan_policy(t.nan_policy, policy.loss_scaling, env.is_main)
         self.activation_offload = activation_offload(cfg, env.device)  # a context factory (or a no-op one)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
-        self.progress = Progress(self.total_steps, env.is_main, t.log_every)
+        self.progress = Progress(self.total_steps, env.is_main, t.log_every, device_memory_gib(env.device))
+        self.mfu_rate = mfu_per_token_rate(model, env.device, env.world_size)  # None: no MFU in the records
         self.stop_requested = False  # set on this rank by the preemption signal handler
         self.stop_agreed = False  # set by the last step: some rank was asked to stop
         self.current_step = 0  # the step `fit` runs (1-based), for the message of a collective that fails in it
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
+        self.fit_step = profiled(self._fit_step, cfg, env)  # train.profile_steps, or _fit_step itself
 
     @staticmethod
     def plan(cfg: Config, n_examples: int, env: DistEnv) -> tuple[GlobalBatchSampler, int]:
@@ -177,7 +180,7 @@ class Trainer:
         loss = loss_total / max(n_trained, 1)
         skipped = self.nan_policy.judge(issued.step + 1, loss, grad_norm, issued.skipped)
         self.stop_agreed = votes > 0
-        return {
+        record = {
             "step": issued.step + 1,
             "epoch": issued.step // self.sampler.steps_per_epoch,
             "loss": loss,
@@ -191,6 +194,9 @@ class Trainer:
             "peak_mem_gib": peak_memory_gib(self.env.device),
             "loss_scale": self.scaler.get_scale(),  # 1.0 unless fp16_mixed
         }
+        if self.mfu_rate is not None:
+            record["mfu"] = record["tokens_per_s"] * self.mfu_rate
+        return record
 
     # -----------------------------------------------------------------------------------------------------------
     def fit(
@@ -213,7 +219,7 @@ class Trainer:
         result = FitResult(first=first, last=first, records=[])
         try:
             for step in range(start_step, self.total_steps):
-                self._fit_step(step, metrics, checkpoints, result)
+                self.fit_step(step, metrics, checkpoints, result)
                 if result.preempted:
                     break
         except NonFiniteError:

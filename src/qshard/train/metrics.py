@@ -6,7 +6,9 @@ import json
 import logging
 import os
 import resource
+import statistics
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from qshard.errors import QShardError
+from qshard.quant.linear import QuantizedLinear
 from qshard.rundir import writing
 
 log = logging.getLogger("qshard")
@@ -24,6 +27,38 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def device_memory_gib(device: torch.device) -> float:
+    """The device's whole memory; on CPU the machine's physical memory (what peak_memory_gib is a share of)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+# Dense bf16 tensor-core peak (FLOP/s) by a part of the device's name; the first match wins (PCIe before SXM).
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12), ("A100", 312e12))
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The GPU's dense bf16 peak from PEAK_BF16_FLOPS; None for a device not in the table (no MFU then)."""
+    return next((peak for part, peak in PEAK_BF16_FLOPS if part in device_name), None)
+
+
+def matmul_flops_per_token(model: torch.nn.Module) -> int:
+    """FLOPs a token costs in one training step: 6 x the weights of every matmul it goes through (the blocks'
+    linears and the output head, quantized or not; not the input embedding, attention scores or LoRA factors).
+    6 = forward + its recomputation under activation checkpointing + the backward to the activations (the
+    frozen base needs no weight gradients). Counted from the modules' shapes, which sharding leaves whole."""
+    linears = (m for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear)))
+    return 6 * sum(m.in_features * m.out_features for m in linears)
+
+
+def mfu_per_token_rate(model: torch.nn.Module, device: torch.device, world_size: int) -> float | None:
+    """What multiplies a step's tokens/s (summed over ranks) into model FLOPs utilisation; None on CPU and on
+    GPUs without a known peak, where no MFU is reported."""
+    peak = peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return matmul_flops_per_token(model) / (peak * world_size) if peak else None
 
 
 class MetricsLog:
@@ -93,8 +128,10 @@ def _record(line: bytes) -> dict | None:
 class Progress:
     """A tqdm bar on a terminal, plain log lines otherwise; silent on every rank but the first."""
 
-    def __init__(self, total_steps: int, enabled: bool, log_every: int) -> None:
+    def __init__(self, total_steps: int, enabled: bool, log_every: int, memory_total_gib: float) -> None:
         self.enabled, self.log_every, self.total = enabled, log_every, total_steps
+        self.memory_total_gib = memory_total_gib
+        self.recent = deque(maxlen=20)  # the last steps' times: their median, times the steps left, is the ETA
         self.bar = None
 
     def start(self, start_step: int) -> None:
@@ -105,20 +142,26 @@ class Progress:
     def step(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        fields = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | {record['peak_mem_gib']:.2f} GiB"
+        self.recent.append(record["step_time_s"])
+        fields = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s"
+        if "mfu" in record:
+            fields += f" | MFU {record['mfu']:.1%}"
+        memory = record["peak_mem_gib"]
+        fields += f" | {memory:.2f} GiB ({memory / self.memory_total_gib:.0%})"
         evaluated = "eval_loss" in record
         if evaluated:  # the steps that evaluated show the held-out numbers, whatever log_every says
             held_out = f"held-out loss {record['eval_loss']:.4f} (perplexity {record['eval_ppl']:.2f})"
             fields += f" | {held_out}"
-        if self.bar is not None:
+        if self.bar is not None:  # tqdm shows its own ETA
             self.bar.set_postfix_str(fields, refresh=False)
             if evaluated:  # a line of its own: the bar's postfix is overwritten at the next step
                 self.bar.write(f"step {record['step']}: {held_out}")
             self.bar.update(1)
         elif record["step"] % self.log_every == 0 or record["step"] == self.total or evaluated:
+            eta = (self.total - record["step"]) * statistics.median(self.recent)
             log.info(
-                "step %d/%d | %s | lr %.3g | grad_norm %.3f",
-                record["step"], self.total, fields, record["lr"], record["grad_norm"],
+                "step %d/%d | %s | lr %.3g | grad_norm %.3f | ETA %s",
+                record["step"], self.total, fields, record["lr"], record["grad_norm"], format_duration(eta),
             )
 
     def message(self, text: str) -> None:
@@ -132,3 +175,12 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def format_duration(seconds: float) -> str:
+    """`1h02m03s`, `4m05s`, `6s`: a duration as the log line shows it."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

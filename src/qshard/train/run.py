@@ -41,6 +41,7 @@ from qshard.parallel.distributed import (
 from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 from qshard.train.plan import RunPlan
+from qshard.train.profiler import check_profile_steps
 
 log = logging.getLogger("qshard")
 
@@ -136,6 +137,7 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
         inputs = _inputs(cfg, env, out, _trained_commit(cfg, resume), Path(demo_home) if demo_home else None,
                          weights=not dry_run)
         _check_resume(cfg, env, resume, inputs.model_dir)
+        check_profile_steps(cfg.train.profile_steps, Trainer.plan(cfg, len(inputs.train), env)[1])
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         if dry_run:
@@ -338,7 +340,8 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
         if first is not None and last is not None:
             log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
                      first.loss, last.loss, first.perplexity, last.perplexity)
-        log.info("finished %d steps in %.1f s; results in %s", trainer.total_steps, summary["elapsed_s"], out)
+        log.info("finished %d steps in %.1f s; results in %s (draw them: qshard plot %s)", trainer.total_steps,
+                 summary["elapsed_s"], out, out)
     dist.barrier()
     return summary
 
