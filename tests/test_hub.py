@@ -280,6 +280,14 @@ def test_download_takes_only_what_a_run_reads(online, hub_env, tiny_models, data
     assert code == 0 and "the weights are not downloaded by a dry run" in err, err
     assert sorted(hub.downloads) == sorted(set(files) - {"model.safetensors"})
     assert not (tmp_path / "planned").exists()
+    # A local directory without its weights is not a Hub snapshot the dry run left unfetched: it is refused.
+    local = tmp_path / "local"
+    local.mkdir()
+    for name, content in files.items():
+        if name != "model.safetensors":
+            (local / name).write_bytes(content)
+    code, err = train(str(local), data, tmp_path / "planned", capsys, "--dry-run")
+    assert code == 2 and "not downloaded by a dry run" not in err, err
     snapshot = resolve(HubModel(REPO))
     assert snapshot == hub_env / "models--org--tiny" / "snapshots" / COMMIT_A
     assert sorted(hub.downloads) == sorted(files)  # each file once

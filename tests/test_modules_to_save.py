@@ -207,6 +207,7 @@ def test_tied_embedding_trains_as_one_and_exports_tied(tiny_models, eval_data, t
     (["--data.add_special_tokens", "<x>"], "but embed_tokens and lm_head would stay frozen; set "
                                            "lora.modules_to_save: [embed_tokens, lm_head]"),
     (["--train.train_type", "full", "--lora.modules_to_save", "lm_head"], "a full run trains every weight"),
+    (["--train.train_type", "llama_pro", "--data.add_special_tokens", "<x>"], "a llama_pro run trains only its new"),
 ])
 def test_bad_modules_and_untrained_new_tokens_are_one_line(tiny_models, eval_data, tmp_path, capsys, extra, says):
     out = tmp_path / "run"

@@ -100,7 +100,9 @@ def resolve_model(cfg: Config, env: DistEnv, commit: str | None = None,
     pins a Hub id to the commit a checkpoint was trained from. Under broadcast loading only rank 0 needs the
     files; otherwise local rank 0 of each node downloads them for its node; without `weights` (a dry run) only
     the files that describe the model. A collective."""
-    hub = hub_model(cfg.model.path, cfg.model.revision)
+    # Rank 0 decides whether the path is a Hub id (no such local path): a directory present on some nodes only
+    # must not send the ranks down different paths of collectives.
+    hub = from_rank0(lambda: hub_model(cfg.model.path, cfg.model.revision), env.is_main)
     if hub is None:
         if files_from_rank0(cfg, env):
             return loading.model_files_from_rank0(cfg.model.path, env.is_main), None
@@ -151,7 +153,7 @@ def planned_skeleton(cfg: Config, env: DistEnv, model_dir: str | Path | None, wo
     checked against it where this process reads them: what `build_model` checks before it reads a weight, for a
     run that stops there (`qshard train --dry-run`)."""
     planned = skeleton(cfg, model_dir, world_size, env.device, vocab_size)
-    if not random_init(cfg) and not has_weights(model_dir):  # a Hub model: a dry run fetches no weights
+    if not random_init(cfg) and weights_deferred(cfg, model_dir):
         if env.is_main:
             log.info("%s: the weights are not downloaded by a dry run; the run checks them before it trains",
                      cfg.model.path)
@@ -162,6 +164,13 @@ def planned_skeleton(cfg: Config, env: DistEnv, model_dir: str | Path | None, wo
         finally:
             checkpoint.close()
     return planned
+
+
+def weights_deferred(cfg: Config, model_dir: Path | None) -> bool:
+    """Whether `model_dir` is a Hub model's snapshot without its weights: what a dry run resolves (`resolve_model`
+    without weights), whose weight files the run itself checks."""
+    return model_dir is not None and hub_model(cfg.model.path, cfg.model.revision) is not None and \
+        not has_weights(model_dir)
 
 
 def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,

@@ -350,6 +350,7 @@ class Config:
             raise QShardError(f"lora.init: {lora.init} with train.train_type {train_type} is not supported (peft "
                               "converts PiSSA/OLoRA adapters for the original base without DoRA's magnitudes); use "
                               f"train.train_type {'qlora' if train_type == 'qdora' else 'lora'}")
+
     def _validate_new_tokens(self) -> None:
         """What needs no model: modules trained in full beside adapters only, and no empty token. Which modules
         exist, and whether new tokens get a trained embedding and head, is checked on the model (qshard/vocab.py)."""
@@ -360,6 +361,10 @@ class Config:
                               f"({', '.join(t for t in get_args(TrainType) if t not in ADAPTERLESS_TRAIN_TYPES)})")
         if any(not token.strip() for token in self.data.add_special_tokens or []):
             raise QShardError(f"data.add_special_tokens: an empty token in {self.data.add_special_tokens}")
+        if self.data.add_special_tokens and train_type == "llama_pro":
+            raise QShardError("data.add_special_tokens: a llama_pro run trains only its new blocks, so new tokens' "
+                              "embedding and head rows would never train; use train.train_type full, or an adapter "
+                              "run with lora.modules_to_save [embed_tokens, lm_head]")
 
     def _validate_quant(self) -> None:
         """The method's own rules (QUANT_BITS), and a method chosen only where the base is quantized (the

@@ -34,7 +34,7 @@ from qshard.data.tokenize import Options, encode_source, make_options
 from qshard.errors import QShardError
 
 logger = logging.getLogger("qshard")
-STORE_VERSION = 3  # bump when the store layout or the encoding changes
+STORE_VERSION = 4  # bump when the store layout or the encoding changes
 
 
 @dataclass(frozen=True)

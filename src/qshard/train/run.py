@@ -22,7 +22,14 @@ from transformers import PreTrainedTokenizerBase
 
 from qshard import checkpoint, data, demo, export, outputs, rundir
 from qshard import config as config_mod
-from qshard.build import build_model, describe, planned_skeleton, resolve_model, training_tokenizer
+from qshard.build import (
+    build_model,
+    describe,
+    planned_skeleton,
+    resolve_model,
+    training_tokenizer,
+    weights_deferred,
+)
 from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, base_model_name
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import Example
@@ -220,6 +227,10 @@ def _trained_commit(cfg: Config, resume: _Resume) -> str | None:
 def _check_resume(cfg: Config, env: DistEnv, resume: _Resume, model_dir: Path | None) -> None:
     """Refuse the checkpoint now if it was trained from another base or with tensors these options cannot hold."""
     if resume.path is None:
+        return
+    if weights_deferred(cfg, model_dir):  # a dry run: the base's fingerprint needs the weights it did not fetch
+        if env.is_main:
+            log.info("%s: the checkpoint's base is checked against the weights when the run starts", resume.path)
         return
     resume.fingerprint = base_fingerprint_all_ranks(cfg, env, model_dir)
     checkpoint.check_compatible(resume.path, resume.state, cfg, resume.fingerprint)
