@@ -214,9 +214,7 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
 def describe(model: nn.Module, report: SwapReport, cfg: Config) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total_params = sum(p.numel() for p in model.parameters())
-    # FSDP2 subclasses the model's class as FSDP<Name>; report the model's own class.
-    name = next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
-    parts = [name, f"train_type={cfg.train.train_type}", f"precision={precision(cfg).name}",
+    parts = [models.architecture(model), f"train_type={cfg.train.train_type}", f"precision={precision(cfg).name}",
              f"{trainable:,} trainable params"]
     if report.quantized:
         parts.append(f"{len(report.quantized)} {cfg.quant.method.upper()} linears")

@@ -51,6 +51,11 @@ def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
     return model
 
 
+def architecture(model: nn.Module) -> str:
+    """The model's own class name: FSDP2 subclasses it as FSDP<Name>."""
+    return next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+
+
 def find_blocks(model: nn.Module, block_class: str | None) -> list[nn.Module]:
     """The transformer blocks: modules whose class is named by `block_class` or, by default, by the
     model's `_no_split_modules` (the classes Hugging Face itself never splits across devices)."""

@@ -21,7 +21,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from qshard.adapters import LoRALinear
 from qshard.config import Config
 from qshard.errors import QShardError
-from qshard.models import cast_parameters
+from qshard.models import architecture, cast_parameters
 from qshard.precision import precision
 from qshard.quant import QuantizedExperts, QuantizedLinear
 
@@ -102,8 +102,8 @@ def train_in_full(model: nn.Module, blocks: list[nn.Module], cfg: Config) -> lis
     for name in wanted:
         found = {fqn: m for fqn, m in model.named_modules() if fqn == name or fqn.endswith("." + name)}
         if not found:
-            raise QShardError(f"lora.modules_to_save: no module '{name}' in {_class(model)} (modules it can train in "
-                              f"full: {', '.join(_candidates(model, blocks))})")
+            raise QShardError(f"lora.modules_to_save: no module '{name}' in {architecture(model)} (modules it can "
+                              f"train in full: {', '.join(_candidates(model, blocks))})")
         for fqn, module in found.items():
             _check_trainable(name, fqn, module, model, blocks)
         chosen.update(found)
@@ -143,10 +143,6 @@ def tied(model: nn.Module) -> bool:
     """Whether the model's head is its embedding (tie_word_embeddings)."""
     head = model.get_output_embeddings()
     return head is not None and head.weight is model.get_input_embeddings().weight
-
-
-def _class(model: nn.Module) -> str:
-    return next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
 
 
 def check_new_tokens_trained(model: nn.Module, cfg: Config) -> None:

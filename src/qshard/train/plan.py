@@ -12,6 +12,7 @@ from qshard.build import Skeleton
 from qshard.config import DORA_TRAIN_TYPES, QUANTIZED_TRAIN_TYPES, Config
 from qshard.data import Example
 from qshard.data.packing import PackedExamples, example_lengths
+from qshard.models import architecture
 from qshard.precision import precision
 
 
@@ -52,7 +53,7 @@ class RunPlan:
 
     def _model(self) -> str:
         model = self.model.model
-        name = next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+        name = architecture(model)
         source = self.cfg.model.path or f"model.shape {self.cfg.model.shape}"
         init = ", random weights" if self.cfg.model.init == "random" or self.cfg.model.shape else ""
         return (f"{source} ({name}, {len(self.model.blocks)} layers, {self.model.base_params:,} parameters"
