@@ -163,6 +163,15 @@ def test_three_trackers_receive_the_run_and_its_resume(tiny_models, data, tmp_pa
     steps = [m.step for m in client.get_metric_history(ids["mlflow"], "loss")]
     assert sorted(steps) == [1, 2, 3, 3, 4, 4]  # MLflow keeps every point: the redone steps' too
 
+    # (Not MLflow's local store again in this process: MLflow caches a store by its URI, here moved aside.)
+    code, stderr = train(capsys, model, data, out, "--report-to", "wandb", "--overwrite")
+    assert code == 0, stderr
+    (previous,) = out.glob(".previous-*")  # the old trackers' files moved aside whole; a new W&B run
+    assert json.loads((previous / "trackers" / "runs.json").read_text()) == ids
+    new_ids = json.loads((out / "trackers" / "runs.json").read_text())
+    assert set(new_ids) == {"wandb"} and new_ids["wandb"] != ids["wandb"]
+    assert [run["id"] for run in wandb_runs(out)] == [new_ids["wandb"]]
+
 
 def test_samples_reach_each_tracker_as_a_table(tmp_path):
     """MetricsLog.samples: a W&B table, an MLflow JSON artifact, TensorBoard text, at the step given."""

@@ -125,7 +125,8 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        self.writer = SummaryWriter(run_dir / DIR / "tensorboard", purge_step=start_step + 1 if start_step else None)
+        # Hides the events of steps this run (re)does that an earlier attempt in the directory left behind.
+        self.writer = SummaryWriter(run_dir / DIR / "tensorboard", purge_step=start_step + 1)
         if not start_step:
             for summary in hparams(flat(config), {"eval_loss": float("nan")}):
                 self.writer.file_writer.add_summary(summary)
