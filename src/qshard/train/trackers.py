@@ -207,7 +207,8 @@ class MLflow:
                                        tags={"qshard.output_dir": str(run_dir.resolve())}).info.run_id
             logged = {}
         self.run_id, self.metric = run_id, Metric
-        params = [Param(k, str(v)) for k, v in flat(config).items() if k not in logged]
+        # MLflow refuses a parameter value over 6,000 characters (a long list of data sources): cut, not refused.
+        params = [Param(k, str(v)[:6000]) for k, v in flat(config).items() if k not in logged]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
             client.log_batch(run_id, params=params[i:i + 100])
         return run_id
