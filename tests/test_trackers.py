@@ -17,10 +17,6 @@ from qshard import cli
 from qshard.train import trackers
 from qshard.train.metrics import MetricsLog
 
-pytest.importorskip("tensorboard")
-pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
-
 STEPS = 4
 RECORD = {"instruction": "add 2 and 3", "output": "5"}
 
