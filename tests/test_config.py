@@ -69,6 +69,9 @@ def other_value(dotted: str, tp) -> tuple[str, object]:
             return "[{path: a.jsonl, weight: 2}]", [item(path="a.jsonl", weight=2.0)]
         if item is int:  # train.profile_steps: [first, last]
             return "[2,3]", [2, 3]
+        if typing.get_origin(item) is Literal:  # output.trackers: names from a fixed set
+            choices = list(typing.get_args(item)[-2:])
+            return ",".join(choices), choices
         return "q_proj,v_proj", ["q_proj", "v_proj"]
     if tp is bool:
         return str(not default).lower(), not default

@@ -19,6 +19,7 @@ from qshard import config as config_mod
 from qshard import launcher
 from qshard.errors import CollectiveError, QShardError
 from qshard.rundir import full_disk_error
+from qshard.train.trackers import check_installed
 
 log = logging.getLogger("qshard")
 
@@ -40,6 +41,7 @@ SHORTCUTS = {
     "--lora-rank": "lora.rank",
     "--resume": "checkpoint.resume",
     "--save-every": "checkpoint.every_steps",
+    "--report-to": "output.trackers",
 }
 
 
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plot":
             return _plot(args, extra)
         cfg = parse_train_config(args, extra)
+        check_installed(cfg.output.trackers)
         if cfg.parallel.nproc > 1 and not launcher.launched() and not args.dry_run:  # a dry run plans the ranks
             return launcher.launch(cfg.parallel.nproc, argv)
         from qshard.train.run import run_training  # heavy imports only once the config is valid

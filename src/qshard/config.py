@@ -266,6 +266,9 @@ class OutputConfig:
     dir: str | None = None
     # Allow writing into a non-empty directory (an earlier run's files there are replaced).
     overwrite: bool = False
+    # Where else the metrics, config and samples go, on rank 0: any of tensorboard, wandb, mlflow (each an extra:
+    # pip install 'qshard[wandb]'); their local files go to RUN/trackers/.
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)
 
 
 @dataclass

@@ -9,8 +9,9 @@ import resource
 import statistics
 import sys
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -18,6 +19,9 @@ from tqdm import tqdm
 from qshard.errors import QShardError
 from qshard.quant.linear import QuantizedLinear
 from qshard.rundir import writing
+
+if TYPE_CHECKING:
+    from qshard.train.trackers import Guarded
 
 log = logging.getLogger("qshard")
 
@@ -64,10 +68,11 @@ def mfu_per_token_rate(model: torch.nn.Module, device: torch.device, world_size:
 class MetricsLog:
     """Appends one JSON object per line, each line in one write on an O_APPEND descriptor, so that a reader
     following the run live, or a crash, never sees half a line; a write that does not fit on the disk is
-    taken back whole and becomes a QShardError naming the file."""
+    taken back whole and becomes a QShardError naming the file. Each record then goes to the `trackers`
+    (output.trackers, rank 0; none when off)."""
 
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
+    def __init__(self, path: Path | None, trackers: Sequence[Guarded] = ()) -> None:
+        self.path, self.trackers = path, trackers
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
         self._fd = os.open(path, flags, 0o644) if path is not None else None
 
@@ -75,11 +80,21 @@ class MetricsLog:
         if self._fd is not None:
             with writing(self.path):
                 _append_whole(self._fd, (json.dumps(record) + "\n").encode())
+        for tracker in self.trackers:
+            tracker.log_step(record)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """The completions generated at `step` (dicts with prompt, completion and step), as a table, to the trackers."""
+        for tracker in self.trackers:
+            tracker.log_samples(step, rows)
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = ()
 
 
 def _append_whole(fd: int, line: bytes) -> None:

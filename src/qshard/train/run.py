@@ -49,6 +49,7 @@ from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 from qshard.train.plan import RunPlan
 from qshard.train.profiler import check_profile_steps
+from qshard.train.trackers import open_trackers
 
 log = logging.getLogger("qshard")
 
@@ -318,7 +319,7 @@ def _fit(cfg: Config, env: DistEnv, out: Path, run: _Run, kept_metrics: list[str
     saved step, and a collective that fails names the step."""
     trainer = run.trainer
     checkpoints = CheckpointManager(out / "checkpoints", cfg, env.is_main, env.device)
-    metrics = _open_outputs(cfg, env, out, kept_metrics, replace)
+    metrics = _open_outputs(cfg, env, out, kept_metrics, replace, run.start_step)
     set_timeout(env, "parallel.timeout_s", cfg.parallel.timeout_s)  # loading is over: ranks now keep in step
 
     def at_step() -> str:
@@ -414,10 +415,11 @@ def _kept_metrics(out: Path, step: int, env: DistEnv) -> list[str]:
     return kept
 
 
-def _open_outputs(cfg: Config, env: DistEnv, out: Path, kept: list[str], replace: bool) -> MetricsLog:
+def _open_outputs(cfg: Config, env: DistEnv, out: Path, kept: list[str], replace: bool,
+                  start_step: int) -> MetricsLog:
     """Only now, with every input checked, does the output directory get its run files: under --overwrite
     the previous run's are first moved aside whole. A resumed run keeps the metrics of the steps it resumes
-    after; the steps past its checkpoint are redone."""
+    after (the steps past its checkpoint are redone), and continues its trackers' runs."""
     if not env.is_main:
         return MetricsLog(None)
     if replace:
@@ -431,7 +433,8 @@ def _open_outputs(cfg: Config, env: DistEnv, out: Path, kept: list[str], replace
         rundir.write_atomic(metrics_file, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
     with rundir.writing(out / "config.yaml"):
         rundir.write_atomic(out / "config.yaml", lambda tmp: config_mod.save(cfg, tmp))
-    return MetricsLog(metrics_file)
+    hyperparameters = {**cfg.to_dict(), "output_dir": str(out.resolve())}
+    return MetricsLog(metrics_file, open_trackers(cfg.output.trackers, hyperparameters, out, start_step))
 
 
 def _inputs_inside(cfg: Config, out: Path) -> set[str]:
