@@ -136,6 +136,7 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
         inputs = _inputs(cfg, env, out, _trained_commit(cfg, resume), Path(demo_home) if demo_home else None,
                          weights=not dry_run)
         _check_resume(cfg, env, resume, inputs.model_dir)
+        _check_held_out(cfg, inputs)
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         if dry_run:
@@ -227,7 +228,9 @@ def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_ex
     """Whether output.dir holds this run already finished (summary.json, and the checkpoint of its last step
     continued): nothing to do. A finished run that --resume auto finds no checkpoint of is refused."""
     finished = from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
-    if finished and resume.continuing and resume.state["step"] >= Trainer.plan(cfg, n_examples, env)[1]:
+    ended = resume.state is not None and (resume.state.get("stopped_early")
+                                          or resume.state["step"] >= Trainer.plan(cfg, n_examples, env)[1])
+    if finished and resume.continuing and ended:
         if env.is_main:
             log.info("run already finished: %s holds summary.json and its checkpoint of the last step (%d); "
                      "nothing to do", out, resume.state["step"])
@@ -325,6 +328,8 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
     trainer = run.trainer
     if run.start_step >= trainer.total_steps and run.first is not None and trainer.eval_examples:
         fit.last = trainer.evaluate()  # nothing was left to train: the loaded weights' loss, not the start's
+    if cfg.output.adapter_from == "best":
+        _load_best(out, run, fit)
     adapter_tensors = export.gather_lora(run.model) if run.report.adapted else {}
     summary = _summary(cfg, env, run, fit, started)
     if env.is_main:
@@ -338,9 +343,38 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
         if first is not None and last is not None:
             log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
                      first.loss, last.loss, first.perplexity, last.perplexity)
-        log.info("finished %d steps in %.1f s; results in %s", trainer.total_steps, summary["elapsed_s"], out)
+        log.info("finished %d steps in %.1f s; results in %s", _last_step(run, fit), summary["elapsed_s"], out)
     dist.barrier()
     return summary
+
+
+def _last_step(run: _Run, fit: FitResult) -> int:
+    """The step training ended at: the last one, or the one early stopping stopped at."""
+    return fit.records[-1]["step"] if fit.records else run.start_step
+
+
+def _load_best(out: Path, run: _Run, fit: FitResult) -> None:
+    """output.adapter_from: best: the best step's weights, read back (on every rank) from the checkpoint
+    checkpoint.keep_best kept, unless the last step is the best."""
+    best = run.trainer.best.step
+    if best is None or best == _last_step(run, fit):
+        return
+    path = checkpoint.step_dir(out / "checkpoints", best)
+    if not (path / checkpoint.STATE_FILE).is_file():
+        raise QShardError(f"output.adapter_from: best: the best step's checkpoint {path} is gone; the last "
+                          f"step's checkpoint is kept, export it with qshard export adapter --checkpoint")
+    checkpoint.load(path, run.model, optimizer=None)
+    if run.trainer.env.is_main:
+        log.info("adapter/ holds the best step's weights (step %d, held-out loss %.4f), from %s",
+                 best, run.trainer.best.loss, path)
+
+
+def _check_held_out(cfg: Config, inputs: _Inputs) -> None:
+    """The options that judge held-out losses need held-out examples (the data may have given none)."""
+    on = [name for name, wanted in (("train.early_stopping_patience", cfg.train.early_stopping_patience > 0),
+                                    ("checkpoint.keep_best", cfg.checkpoint.keep_best)) if wanted]
+    if on and not inputs.eval:
+        raise QShardError(f"{on[0]}: the data gave no held-out examples (data.eval_path, data.eval_fraction)")
 
 
 def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: float) -> dict:
@@ -359,8 +393,21 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
         "eval_ppl_end": last.perplexity if last else None,
         "elapsed_s": time.perf_counter() - started,
         "adapter": "adapter" if run.report.adapted else None,
-        "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), run.trainer.total_steps)),
+        "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), _last_step(run, fit))),
+        "best_step": run.trainer.best.step,  # of the lowest held-out loss evaluated after a step
+        "best_eval_loss": run.trainer.best.loss,
+        "best_checkpoint": _best_checkpoint(cfg, run),
+        "stopped_early": fit.stopped_early,
+        "stopped_at_step": _last_step(run, fit) if fit.stopped_early else None,
+        "adapter_from": cfg.output.adapter_from if run.report.adapted else None,
     }
+
+
+def _best_checkpoint(cfg: Config, run: _Run) -> str | None:
+    best = run.trainer.best.step
+    if not cfg.checkpoint.keep_best or best is None:
+        return None
+    return str(checkpoint.step_dir(Path("checkpoints"), best))
 
 
 # ---------------------------------------------------------------------------------------------------------------
