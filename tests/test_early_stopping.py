@@ -109,6 +109,7 @@ def test_early_stopping_best_checkpoint_and_resume(inputs, tmp_path):
     (["--train.early_stopping_patience", "-1"], "train.early_stopping_patience must be >= 0"),
     (["--train.early_stopping_min_delta", "-0.1"], "train.early_stopping_min_delta must be >= 0"),
     (["--output.adapter_from", "best"], "output.adapter_from: best needs checkpoint.keep_best"),
+    (["--train.early_stopping_min_delta", "0.1"], "train.early_stopping_min_delta: has no effect without"),
     (["--output.adapter_from", "best", "--checkpoint.keep_best", "true", "--train.train_type", "full"],
      "output.adapter_from: train.train_type full writes no adapter"),
 ])
@@ -122,3 +123,13 @@ def test_bad_inputs(inputs, tmp_path, capsys, extra, needle):
     assert code == 2
     assert err.count("qshard: error:") == 1 and needle in err, err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_dry_run_plan_names_them(inputs, tmp_path, capsys):
+    model, eval_data = inputs
+    capsys.readouterr()
+    assert cli_main(["train", "--model", str(model), "--data", str(DEMO / "train.jsonl"), "--eval-data", str(eval_data),
+                     "--output-dir", str(tmp_path / "out"), "--train.eval_every", "2", "--dry-run",
+                     "--train.early_stopping_patience", "3", "--checkpoint.keep_best", "true"]) == 0
+    plan = capsys.readouterr().out
+    assert "newest 2 kept and the best held-out loss's" in plan and "stops early after 3 evaluations" in plan, plan

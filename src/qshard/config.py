@@ -341,6 +341,8 @@ class Config:
         t = self.train
         _non_negative("train.early_stopping_patience", t.early_stopping_patience)
         _non_negative("train.early_stopping_min_delta", t.early_stopping_min_delta)
+        if t.early_stopping_min_delta and not t.early_stopping_patience:
+            raise QShardError("train.early_stopping_min_delta: has no effect without train.early_stopping_patience")
         wanted = [name for name, on in (("train.early_stopping_patience", t.early_stopping_patience > 0),
                                         ("checkpoint.keep_best", self.checkpoint.keep_best),
                                         ("output.adapter_from: best", self.output.adapter_from == "best")) if on]
