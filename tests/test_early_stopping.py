@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_on_ranks
 from safetensors.torch import load_file
 
 from qshard.checkpoint import STATE_FILE, step_dir
@@ -26,15 +27,19 @@ def inputs(tiny_models, tmp_path_factory):
     return tiny_models("llama", num_hidden_layers=1), eval_data
 
 
-def _train(inputs, out, *extra, max_steps=MAX_STEPS):
+def _args(inputs, out, *extra, max_steps=MAX_STEPS) -> list[str]:
     model, eval_data = inputs
     # A constant schedule: a run with fewer max_steps trains the same steps, so it can be resumed further.
-    return cli_main(["train", "--model", str(model), "--data", str(DEMO / "train.jsonl"), "--eval-data", str(eval_data),
-                     "--output-dir", str(out), "--max-length", "32", "--batch-size", "2", "--lr", "5e-2",
-                     "--max-steps", str(max_steps), "--train.precision", "fp32", "--optim.schedule", "constant",
-                     "--lora.rank", "4", "--train.eval_every", str(EVERY),
-                     "--train.early_stopping_patience", str(PATIENCE), "--checkpoint.keep_best", "true",
-                     "--checkpoint.keep_last", "1", *extra])
+    return ["train", "--model", str(model), "--data", str(DEMO / "train.jsonl"), "--eval-data", str(eval_data),
+            "--output-dir", str(out), "--max-length", "32", "--batch-size", "2", "--lr", "5e-2",
+            "--max-steps", str(max_steps), "--train.precision", "fp32", "--optim.schedule", "constant",
+            "--lora.rank", "4", "--train.eval_every", str(EVERY),
+            "--train.early_stopping_patience", str(PATIENCE), "--checkpoint.keep_best", "true",
+            "--checkpoint.keep_last", "1", *extra]
+
+
+def _train(inputs, out, *extra, max_steps=MAX_STEPS) -> int:
+    return cli_main(_args(inputs, out, *extra, max_steps=max_steps))
 
 
 def _evals(out: Path) -> list[tuple[int, float]]:
@@ -100,6 +105,22 @@ def test_early_stopping_best_checkpoint_and_resume(inputs, tmp_path):
     # A run that stopped early is finished: --resume auto has nothing to do.
     assert _train(inputs, again, "--resume", "auto") == 0
     assert _steps_kept(again) == [best_step, stopped]
+
+
+def test_two_ranks_stop_together_and_load_the_best(inputs, tmp_path):
+    """Under FSDP2 on two ranks: both stop at the same evaluation, and adapter/ is the best step's weights, read
+    back into every rank's shards."""
+    out = tmp_path / "run"
+    ranks = run_on_ranks({"run": _args(inputs, out, "--output.adapter_from", "best")})["run"]
+    assert [r.code for r in ranks] == [0, 0], ranks[0].stderr + ranks[1].stderr
+    best_step, best_loss, stopped = _expected(_evals(out))
+    assert stopped is not None and _evals(out)[-1][0] == stopped
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["best_step"], summary["best_eval_loss"]) == (best_step, best_loss)
+    assert summary["stopped_at_step"] == stopped
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    best = _export(out, step_dir(out / "checkpoints", best_step), tmp_path / "best")
+    assert adapter.keys() == best.keys() and all(torch.equal(adapter[k], best[k]) for k in best)
 
 
 @pytest.mark.parametrize("extra, needle", [
