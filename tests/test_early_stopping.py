@@ -102,9 +102,18 @@ def test_early_stopping_best_checkpoint_and_resume(inputs, tmp_path):
     assert (resumed["best_step"], resumed["stopped_at_step"]) == (best_step, stopped)
     assert _steps_kept(again) == [best_step, stopped]
     torch.testing.assert_close(torch.tensor(_evals(again)), torch.tensor(evals), rtol=1e-5, atol=1e-5)
-    # A run that stopped early is finished: --resume auto has nothing to do.
+    # A run that stopped early is finished: --resume auto has nothing to do, even when the run was cut off
+    # between its last checkpoint and summary.json (which it then writes, training nothing).
     assert _train(inputs, again, "--resume", "auto") == 0
-    assert _steps_kept(again) == [best_step, stopped]
+    (again / "summary.json").unlink()
+    assert _train(inputs, again, "--resume", "auto") == 0
+    assert _steps_kept(again) == [best_step, stopped] and _evals(again)[-1][0] == stopped
+    rewritten = json.loads((again / "summary.json").read_text())
+    assert rewritten["stopped_at_step"] == stopped and rewritten["eval_loss_end"] == pytest.approx(evals[-1][1])
+    # A larger patience goes on from there.
+    assert _train(inputs, again, "--resume", "auto", "--train.early_stopping_patience", "100") == 0
+    assert _evals(again)[-1][0] == MAX_STEPS
+    assert json.loads((again / "summary.json").read_text())["stopped_early"] is False
 
 
 def test_two_ranks_stop_together_and_load_the_best(inputs, tmp_path):

@@ -213,12 +213,13 @@ class Trainer:
                 f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})"
             )
         self.progress.start(start_step)
-        result = FitResult(first=first, last=first, records=[])
+        # Resumed from the checkpoint early stopping saved (and the same patience): nothing is left to train.
+        result = FitResult(first=first, last=first, records=[], stopped_early=self.best.exhausted)
         try:
             for step in range(start_step, self.total_steps):
-                self._fit_step(step, metrics, checkpoints, result)
                 if result.preempted or result.stopped_early:
                     break
+                self._fit_step(step, metrics, checkpoints, result)
         except NonFiniteError:
             # Every rank stops at the same step (what is judged was summed over ranks): the checkpoint of an
             # earlier step, still being written in the background, is completed rather than left unfinished.

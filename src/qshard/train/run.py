@@ -38,6 +38,7 @@ from qshard.parallel.distributed import (
     set_timeout,
     shutdown,
 )
+from qshard.train.best import BestLoss
 from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 from qshard.train.plan import RunPlan
@@ -228,7 +229,7 @@ def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_ex
     """Whether output.dir holds this run already finished (summary.json, and the checkpoint of its last step
     continued): nothing to do. A finished run that --resume auto finds no checkpoint of is refused."""
     finished = from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
-    ended = resume.state is not None and (resume.state.get("stopped_early")
+    ended = resume.state is not None and (_stopped_early(cfg, resume.state)
                                           or resume.state["step"] >= Trainer.plan(cfg, n_examples, env)[1])
     if finished and resume.continuing and ended:
         if env.is_main:
@@ -326,7 +327,8 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
     """The adapter (gathered from every rank) with the tokenizer and generation config, then summary.json,
     written last: it marks the run finished."""
     trainer = run.trainer
-    if run.start_step >= trainer.total_steps and run.first is not None and trainer.eval_examples:
+    nothing_trained = run.start_step >= trainer.total_steps or (fit.stopped_early and not fit.records)
+    if nothing_trained and run.first is not None and trainer.eval_examples:
         fit.last = trainer.evaluate()  # nothing was left to train: the loaded weights' loss, not the start's
     if cfg.output.adapter_from == "best":
         _load_best(out, run, fit)
@@ -346,6 +348,13 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
         log.info("finished %d steps in %.1f s; results in %s", _last_step(run, fit), summary["elapsed_s"], out)
     dist.barrier()
     return summary
+
+
+def _stopped_early(cfg: Config, state: dict) -> bool:
+    """Whether a checkpoint's run had stopped early, judged with this run's patience (a larger one goes on)."""
+    best = BestLoss(cfg.train.early_stopping_patience)
+    best.restore(state.get("best"))
+    return best.exhausted
 
 
 def _last_step(run: _Run, fit: FitResult) -> int:
