@@ -267,8 +267,8 @@ class CheckpointManager:
                      pending.final, time.perf_counter() - pending.started, pending.blocked)
         dist.barrier()
 
-
     def _prune(self) -> None:
+        """Remove every checkpoint but the newest `keep_last` and the best one (`keep_step`)."""
         kept = step_dir(self.root, self.keep_step) if self.keep_step is not None else None
         for old in complete_checkpoints(self.root)[: -self.keep_last]:
             if old != kept:
