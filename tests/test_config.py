@@ -90,6 +90,10 @@ COMPANIONS = {
     "parallel.replicate_degree": {"parallel.sharding": "hybrid"},
     "parallel.compile_backend": {"parallel.compile": "true"},
     "parallel.ac_save_projections": {"parallel.compile": "true"},
+    "train.early_stopping_patience": {"train.eval_every": "2"},
+    "train.early_stopping_min_delta": {"train.eval_every": "2", "train.early_stopping_patience": "2"},
+    "checkpoint.keep_best": {"train.eval_every": "2"},
+    "output.adapter_from": {"train.eval_every": "2", "checkpoint.keep_best": "true"},
 }
 
 

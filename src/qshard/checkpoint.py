@@ -193,12 +193,14 @@ class _Pending:
 
 class CheckpointManager:
     """Saves every rank's shards, in the background when `async_save`; finalizes (renames) when every
-    rank's write is done, then keeps only the newest `keep_last` checkpoints."""
+    rank's write is done, then keeps only the newest `keep_last` checkpoints, and the one of step `keep_step`
+    (checkpoint.keep_best's)."""
 
     def __init__(self, root: Path, cfg: Config, is_main: bool, device: torch.device) -> None:
         self.root, self.cfg, self.is_main, self.device = root, cfg, is_main, device
         self.keep_last = cfg.checkpoint.keep_last
         self.pending: _Pending | None = None
+        self.keep_step: int | None = None
         # Background writes run collectives from another thread: they get a group of their own, so they
         # never interleave with the training step's collectives on the default group.
         self.group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
@@ -260,11 +262,17 @@ class CheckpointManager:
                 pending.tmp.rename(pending.final)
             except OSError as exc:
                 raise _save_failed(pending.tmp, exc) from None
-            for old in complete_checkpoints(self.root)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._prune()
             log.info("checkpoint saved: %s (%.2f s after the save began; training waited %.2f s)",
                      pending.final, time.perf_counter() - pending.started, pending.blocked)
         dist.barrier()
+
+    def _prune(self) -> None:
+        """Remove every checkpoint but the newest `keep_last` and the best one (`keep_step`)."""
+        kept = step_dir(self.root, self.keep_step) if self.keep_step is not None else None
+        for old in complete_checkpoints(self.root)[: -self.keep_last]:
+            if old != kept:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def read_state(path: Path) -> dict:

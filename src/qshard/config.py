@@ -207,6 +207,11 @@ class TrainConfig:
     # [a, b]: a torch profiler trace of steps a..b (1-based, inclusive) and, on CUDA, a memory snapshot of the
     # same steps, written by rank 0 into OUTPUT/profile/. Empty: no profiling.
     profile_steps: list[int] | None = None
+    # Stop after this many evaluations in a row whose held-out loss is not below the best so far by more than
+    # `early_stopping_min_delta` (a final checkpoint, the adapter and summary.json are written as at the end);
+    # 0: off. Needs a held-out set and eval_every.
+    early_stopping_patience: int = 0
+    early_stopping_min_delta: float = 0.0
 
 
 @dataclass
@@ -258,6 +263,9 @@ class CheckpointConfig:
     async_save: bool = True
     # Resume from: none, auto (the newest complete checkpoint in output.dir, or start fresh), or a path.
     resume: str | None = None
+    # Also keep the checkpoint of the best held-out loss, beside the newest keep_last (saved at each
+    # evaluation that improves it; never pruned). Needs a held-out set and train.eval_every.
+    keep_best: bool = False
 
 
 @dataclass
@@ -269,6 +277,9 @@ class OutputConfig:
     # Where else the metrics, config and samples go, on rank 0: any of tensorboard, wandb, mlflow (each an extra:
     # pip install 'qshard[wandb]'); their local files go to RUN/trackers/.
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)
+    # Which weights adapter/ holds at the end: the last step's, or the best held-out loss's (loaded back from
+    # the checkpoint checkpoint.keep_best kept).
+    adapter_from: Literal["last", "best"] = "last"
 
 
 @dataclass
@@ -329,6 +340,7 @@ class Config:
         _non_negative("checkpoint.every_steps", self.checkpoint.every_steps)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         self._validate_new_tokens()
+        self._validate_best()
         return self
 
     def _validate_profile_steps(self) -> None:
@@ -336,6 +348,28 @@ class Config:
         steps = self.train.profile_steps
         if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
             raise QShardError(f"train.profile_steps must be [first, last] steps with 1 <= first <= last, got {steps}")
+    def _validate_best(self) -> None:
+        """Early stopping and the best checkpoint judge held-out losses: a held-out set evaluated during training."""
+        t = self.train
+        _non_negative("train.early_stopping_patience", t.early_stopping_patience)
+        _non_negative("train.early_stopping_min_delta", t.early_stopping_min_delta)
+        if t.early_stopping_min_delta and not t.early_stopping_patience:
+            raise QShardError("train.early_stopping_min_delta: has no effect without train.early_stopping_patience")
+        wanted = [name for name, on in (("train.early_stopping_patience", t.early_stopping_patience > 0),
+                                        ("checkpoint.keep_best", self.checkpoint.keep_best),
+                                        ("output.adapter_from: best", self.output.adapter_from == "best")) if on]
+        if not wanted:
+            return
+        demo_data = self.data.path is None and not self.data.sources  # the demo brings its held-out file
+        if self.data.eval_fraction == 0 and self.data.eval_path is None and not demo_data:
+            raise QShardError(f"{wanted[0]}: needs a held-out set (data.eval_path, or data.eval_fraction > 0)")
+        if t.eval_every == 0:
+            raise QShardError(f"{wanted[0]}: needs train.eval_every > 0 (held-out loss during training)")
+        if self.output.adapter_from == "best" and not self.checkpoint.keep_best:
+            raise QShardError("output.adapter_from: best needs checkpoint.keep_best: true (the best step's weights "
+                              "are read back from its checkpoint)")
+        if self.output.adapter_from == "best" and t.train_type in ADAPTERLESS_TRAIN_TYPES:
+            raise QShardError(f"output.adapter_from: train.train_type {t.train_type} writes no adapter")
 
     def _validate_lora_variants(self) -> None:
         lora, train_type = self.lora, self.train.train_type

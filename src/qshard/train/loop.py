@@ -17,6 +17,7 @@ from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
 from qshard.precision import precision
+from qshard.train.best import BestLoss
 from qshard.train.loss import build_loss, loss_positions
 from qshard.train.metrics import MetricsLog, Progress, device_memory_gib, mfu_per_token_rate, peak_memory_gib
 from qshard.train.nan_policy import NonFiniteError, build_nan_policy
@@ -56,6 +57,7 @@ class FitResult:
     last: EvalResult | None
     records: list[dict]
     preempted: bool = False
+    stopped_early: bool = False  # train.early_stopping_patience ran out
 
 
 @dataclass
@@ -102,6 +104,7 @@ class Trainer:
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
         self.fit_step = profiled(self._fit_step, cfg, env)  # train.profile_steps, or _fit_step itself
+        self.best = BestLoss(t.early_stopping_patience, t.early_stopping_min_delta)
 
     @staticmethod
     def plan(cfg: Config, n_examples: int, env: DistEnv) -> tuple[GlobalBatchSampler, int]:
@@ -216,12 +219,13 @@ class Trainer:
                 f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})"
             )
         self.progress.start(start_step)
-        result = FitResult(first=first, last=first, records=[])
+        # Resumed from the checkpoint early stopping saved (and the same patience): nothing is left to train.
+        result = FitResult(first=first, last=first, records=[], stopped_early=self.best.exhausted)
         try:
             for step in range(start_step, self.total_steps):
-                self.fit_step(step, metrics, checkpoints, result)
-                if result.preempted:
+                if result.preempted or result.stopped_early:
                     break
+                self.fit_step(step, metrics, checkpoints, result)
         except NonFiniteError:
             # Every rank stops at the same step (what is judged was summed over ranks): the checkpoint of an
             # earlier step, still being written in the background, is completed rather than left unfinished.
@@ -245,6 +249,7 @@ class Trainer:
             result.last = self.evaluate()
             self.nan_policy.check_eval(f"after step {record['step']}", result.last.loss)
             record["eval_loss"], record["eval_ppl"] = result.last.loss, result.last.perplexity
+            self._judge_eval(record["step"], result)
         metrics.write(record)
         self.progress.step(record)
         result.records.append(record)
@@ -252,14 +257,29 @@ class Trainer:
         if checkpoints is not None:
             self._maybe_save(checkpoints, record["step"], result)
 
+    def _judge_eval(self, done: int, result: FitResult) -> None:
+        """Record the held-out loss after step `done` and decide whether to stop early. Every rank decides
+        alike: the loss was summed over ranks by one all-reduce, whose result every rank holds bit for bit."""
+        self.best.update(done, result.last.loss)
+        result.stopped_early = self.best.exhausted and done < self.total_steps
+        if result.stopped_early:
+            self.progress.message(
+                f"early stopping at step {done}: {self.best.evals_without_improvement} evaluations without a "
+                f"held-out loss below {self.best.loss:.4f} (step {self.best.step}) by more than {self.best.min_delta}"
+            )
+
     def _maybe_save(self, checkpoints: CheckpointManager, done: int, result: FitResult) -> None:
         checkpoints.poll()
         every = self.cfg.checkpoint.every_steps
-        final = done == self.total_steps or result.preempted
-        if final or (every and done % every == 0):
+        final = done == self.total_steps or result.preempted or result.stopped_early
+        # checkpoint.keep_best: a new best is saved now, and no pruning removes it while it is the best.
+        new_best = self.cfg.checkpoint.keep_best and self.best.step == done
+        checkpoints.keep_step = self.best.step if self.cfg.checkpoint.keep_best else None
+        if final or new_best or (every and done % every == 0):
             meta = {**self.checkpoint_meta, "step": done, "scheduler": self.scheduler.state_dict(),
                     "grad_scaler": self.scaler.state_dict(),  # {} unless fp16_mixed
-                    "eval_loss_start": result.first.loss if result.first else None}
+                    "eval_loss_start": result.first.loss if result.first else None,
+                    "best": self.best.state(), "stopped_early": result.stopped_early}
             # The last save (or one forced by preemption) must be on disk before the process exits.
             checkpoints.save(done, self.model, self.optimizer, meta, blocking=final)
 
@@ -267,6 +287,7 @@ class Trainer:
         """The schedule's and the loss scaler's state from a checkpoint's trainer_state.json. A checkpoint
         saved in another precision mode has no scaler state: fp16 then starts from the initial scale."""
         self.scheduler.load_state_dict(state["scheduler"])
+        self.best.restore(state.get("best"))
         if self.scaler.is_enabled() and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
 

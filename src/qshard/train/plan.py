@@ -134,13 +134,15 @@ class RunPlan:
     def _checkpoints(self) -> str:
         c = self.cfg.checkpoint
         every = f"every {c.every_steps} steps and at the end" if c.every_steps else "at the end"
-        return f"{every}, newest {c.keep_last} kept, {'async' if c.async_save else 'blocking'} save"
+        best = " and the best held-out loss's" if c.keep_best else ""
+        return f"{every}, newest {c.keep_last} kept{best}, {'async' if c.async_save else 'blocking'} save"
 
     def _evaluation(self) -> str:
         if not len(self.eval):
             return "none (no held-out examples)"
-        every = self.cfg.train.eval_every
-        return f"held-out loss every {every} steps, at the start and at the end" if every else \
+        every, patience = self.cfg.train.eval_every, self.cfg.train.early_stopping_patience
+        stop = f"; stops early after {patience} evaluations without improvement" if patience else ""
+        return f"held-out loss every {every} steps, at the start and at the end{stop}" if every else \
             "held-out loss at the start and at the end"
 
 

@@ -45,6 +45,7 @@ from qshard.parallel.distributed import (
     set_timeout,
     shutdown,
 )
+from qshard.train.best import BestLoss
 from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 from qshard.train.plan import RunPlan
@@ -146,6 +147,7 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
                          weights=not dry_run)
         _check_resume(cfg, env, resume, inputs.model_dir)
         check_profile_steps(cfg.train.profile_steps, Trainer.plan(cfg, len(inputs.train), env)[1])
+        _check_held_out(cfg, inputs)
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         if dry_run:
@@ -241,7 +243,9 @@ def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_ex
     """Whether output.dir holds this run already finished (summary.json, and the checkpoint of its last step
     continued): nothing to do. A finished run that --resume auto finds no checkpoint of is refused."""
     finished = from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
-    if finished and resume.continuing and resume.state["step"] >= Trainer.plan(cfg, n_examples, env)[1]:
+    ended = resume.state is not None and (_stopped_early(cfg, resume.state)
+                                          or resume.state["step"] >= Trainer.plan(cfg, n_examples, env)[1])
+    if finished and resume.continuing and ended:
         if env.is_main:
             log.info("run already finished: %s holds summary.json and its checkpoint of the last step (%d); "
                      "nothing to do", out, resume.state["step"])
@@ -337,8 +341,11 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
     """The adapter (gathered from every rank) with the tokenizer and generation config, then summary.json,
     written last: it marks the run finished."""
     trainer = run.trainer
-    if run.start_step >= trainer.total_steps and run.first is not None and trainer.eval_examples:
+    nothing_trained = run.start_step >= trainer.total_steps or (fit.stopped_early and not fit.records)
+    if nothing_trained and run.first is not None and trainer.eval_examples:
         fit.last = trainer.evaluate()  # nothing was left to train: the loaded weights' loss, not the start's
+    if cfg.output.adapter_from == "best":
+        _load_best(out, run, fit)
     adapter_tensors = export.gather_lora(run.model) if run.report.adapted else {}
     summary = _summary(cfg, env, run, fit, started)
     if env.is_main:
@@ -352,10 +359,46 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
         if first is not None and last is not None:
             log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
                      first.loss, last.loss, first.perplexity, last.perplexity)
-        log.info("finished %d steps in %.1f s; results in %s (draw them: qshard plot %s)", trainer.total_steps,
+        log.info("finished %d steps in %.1f s; results in %s (draw them: qshard plot %s)", _last_step(run, fit),
                  summary["elapsed_s"], out, out)
     dist.barrier()
     return summary
+
+
+def _stopped_early(cfg: Config, state: dict) -> bool:
+    """Whether a checkpoint's run had stopped early, judged with this run's patience (a larger one goes on)."""
+    best = BestLoss(cfg.train.early_stopping_patience)
+    best.restore(state.get("best"))
+    return best.exhausted
+
+
+def _last_step(run: _Run, fit: FitResult) -> int:
+    """The step training ended at: the last one, or the one early stopping stopped at."""
+    return fit.records[-1]["step"] if fit.records else run.start_step
+
+
+def _load_best(out: Path, run: _Run, fit: FitResult) -> None:
+    """output.adapter_from: best: the best step's weights, read back (on every rank) from the checkpoint
+    checkpoint.keep_best kept, unless the last step is the best."""
+    best = run.trainer.best.step
+    if best is None or best == _last_step(run, fit):
+        return
+    path = checkpoint.step_dir(out / "checkpoints", best)
+    if not (path / checkpoint.STATE_FILE).is_file():
+        raise QShardError(f"output.adapter_from: best: the best step's checkpoint {path} is gone; the last "
+                          f"step's checkpoint is kept, export it with qshard export adapter --checkpoint")
+    checkpoint.load(path, run.model, optimizer=None)
+    if run.trainer.env.is_main:
+        log.info("adapter/ holds the best step's weights (step %d, held-out loss %.4f), from %s",
+                 best, run.trainer.best.loss, path)
+
+
+def _check_held_out(cfg: Config, inputs: _Inputs) -> None:
+    """The options that judge held-out losses need held-out examples (the data may have given none)."""
+    on = [name for name, wanted in (("train.early_stopping_patience", cfg.train.early_stopping_patience > 0),
+                                    ("checkpoint.keep_best", cfg.checkpoint.keep_best)) if wanted]
+    if on and not inputs.eval:
+        raise QShardError(f"{on[0]}: the data gave no held-out examples (data.eval_path, data.eval_fraction)")
 
 
 def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: float) -> dict:
@@ -374,8 +417,21 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
         "eval_ppl_end": last.perplexity if last else None,
         "elapsed_s": time.perf_counter() - started,
         "adapter": "adapter" if run.report.adapted else None,
-        "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), run.trainer.total_steps)),
+        "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), _last_step(run, fit))),
+        "best_step": run.trainer.best.step,  # of the lowest held-out loss evaluated after a step
+        "best_eval_loss": run.trainer.best.loss,
+        "best_checkpoint": _best_checkpoint(cfg, run),
+        "stopped_early": fit.stopped_early,
+        "stopped_at_step": _last_step(run, fit) if fit.stopped_early else None,
+        "adapter_from": cfg.output.adapter_from if run.report.adapted else None,
     }
+
+
+def _best_checkpoint(cfg: Config, run: _Run) -> str | None:
+    best = run.trainer.best.step
+    if not cfg.checkpoint.keep_best or best is None:
+        return None
+    return str(checkpoint.step_dir(Path("checkpoints"), best))
 
 
 # ---------------------------------------------------------------------------------------------------------------
