@@ -204,6 +204,14 @@ class TrainConfig:
     # A step whose loss or gradient norm is NaN or infinite: error ends the run naming the step, before its
     # metrics line or any checkpoint after it; skip_step leaves the weights as they were and goes on.
     nan_policy: Literal["error", "skip_step"] = "error"
+    # Greedy completions of `sample_prompts` by the model being trained, written to samples.jsonl every N optimizer
+    # steps and at the last; empty: with every evaluation (eval_every and the end); 0: no samples.
+    sample_every: int | None = None
+    # A file (.txt: a prompt per line; .jsonl: {"prompt": ...} or {"messages": [...]}) or a list of prompts;
+    # empty: the first 4 held-out examples' prompts (their conversation up to the last assistant turn).
+    sample_prompts: list[str] | str | None = None
+    # Each sample ends at an end-of-turn token or after this many tokens.
+    sample_max_new_tokens: int = 128
 
 
 @dataclass
@@ -313,6 +321,7 @@ class Config:
         _non_negative("train.eval_every", self.train.eval_every)
         _positive("train.log_every", self.train.log_every)
         _non_negative("train.loss_chunk_tokens", self.train.loss_chunk_tokens)
+        self._validate_samples()
         _positive("parallel.nproc", self.parallel.nproc)
         for name in ("timeout_s", "load_timeout_s"):
             _positive(f"parallel.{name}", getattr(self.parallel, name))
@@ -323,6 +332,15 @@ class Config:
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         self._validate_new_tokens()
         return self
+
+    def _validate_samples(self) -> None:
+        t, d = self.train, self.data
+        if t.sample_every is not None:
+            _non_negative("train.sample_every", t.sample_every)
+        _positive("train.sample_max_new_tokens", t.sample_max_new_tokens)
+        if t.sample_every and t.sample_prompts is None and not d.eval_path and d.eval_fraction == 0:
+            raise QShardError("train.sample_every: nothing to sample: train.sample_prompts is empty and there is no "
+                              "held-out set (data.eval_fraction 0 and no data.eval_path)")
 
     def _validate_lora_variants(self) -> None:
         lora, train_type = self.lora, self.train.train_type
@@ -573,6 +591,8 @@ def _coerce(tp: Any, value: Any, name: str, source: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if isinstance(value, str) and str in inner:  # a string where a list may also be given (a file's path)
+            return value
         return _coerce(inner[0], value, name, source)
     if origin is Literal:
         # By type as well as value: `64.0 == 64` and `True == 1`, but neither is a valid choice.

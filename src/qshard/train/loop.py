@@ -21,6 +21,7 @@ from qshard.train.loss import build_loss, loss_positions
 from qshard.train.metrics import MetricsLog, Progress, peak_memory_gib
 from qshard.train.nan_policy import NonFiniteError, build_nan_policy
 from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from qshard.train.samples import Samples
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -99,6 +100,7 @@ class Trainer:
         self.current_step = 0  # the step `fit` runs (1-based), for the message of a collective that fails in it
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
+        self.samples: Samples | None = None  # greedy completions at some steps (set by the run when on)
 
     @staticmethod
     def plan(cfg: Config, n_examples: int, env: DistEnv) -> tuple[GlobalBatchSampler, int]:
@@ -239,6 +241,8 @@ class Trainer:
             result.last = self.evaluate()
             self.nan_policy.check_eval(f"after step {record['step']}", result.last.loss)
             record["eval_loss"], record["eval_ppl"] = result.last.loss, result.last.perplexity
+        if self.samples is not None and self.samples.due(record["step"], self.total_steps):
+            metrics.samples(record["step"], self.samples.generate(self.model, self.env.device))
         metrics.write(record)
         self.progress.step(record)
         result.records.append(record)

@@ -31,20 +31,34 @@ class MetricsLog:
     following the run live, or a crash, never sees half a line; a write that does not fit on the disk is
     taken back whole and becomes a QShardError naming the file."""
 
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-        self._fd = os.open(path, flags, 0o644) if path is not None else None
+    def __init__(self, path: Path | None, samples_path: Path | None = None) -> None:
+        self.path, self.samples_path = path, samples_path
+        self._fd = _open_append(path)
+        self._samples_fd = _open_append(samples_path)  # samples.jsonl, the same way
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fd is not None:
             with writing(self.path):
                 _append_whole(self._fd, (json.dumps(record) + "\n").encode())
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """The samples of `step` (rows of prompt and completion), one line each, all in one write."""
+        if self._samples_fd is not None:
+            lines = "".join(json.dumps({"step": step, **row}) + "\n" for row in rows)
+            with writing(self.samples_path):
+                _append_whole(self._samples_fd, lines.encode())
+
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for name in ("_fd", "_samples_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
+
+
+def _open_append(path: Path | None) -> int | None:
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    return os.open(path, flags, 0o644) if path is not None else None
 
 
 def _append_whole(fd: int, line: bytes) -> None:
