@@ -5,6 +5,7 @@ the right prompts, completions that show what was learned, losses bit for bit th
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def runs(tiny_models, data, tmp_path_factory):
     """The same run with samples (the default: with every evaluation) and without, in this process."""
     root = tmp_path_factory.mktemp("samples-runs")
     model = tiny_models("llama", num_hidden_layers=1)
-    for name, extra in (("with", ()), ("without", ("--train.sample_every", "0"))):
+    for name, extra in (("with", ("--save-every", "6")), ("without", ("--train.sample_every", "0"))):
         assert cli_main(_args(model, data, root / name, *extra)) == 0
     return root
 
@@ -67,6 +68,17 @@ def test_samples_at_evaluations_with_held_out_prompts(runs):
 
 def test_samples_leave_training_unchanged(runs):
     assert _losses(runs / "with") == _losses(runs / "without")
+
+
+def test_resumed_run_keeps_the_samples_before_its_step(runs, tiny_models, data, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(runs / "with", out)
+    before = (out / "samples.jsonl").read_text().splitlines()
+    resume = out / "checkpoints" / "step-00000006"
+    assert cli_main(_args(tiny_models("llama", num_hidden_layers=1), data, out, "--resume", str(resume))) == 0
+    after = (out / "samples.jsonl").read_text().splitlines()
+    assert after[:4] == before[:4]  # step 6's rows, kept as they were
+    assert [json.loads(line)["step"] for line in after] == [6] * 4 + [12] * 4  # step 12's written anew, once
 
 
 def test_given_prompts_every_n_steps(tiny_models, data, tmp_path):
