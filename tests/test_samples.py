@@ -12,6 +12,9 @@ import pytest
 from conftest import run_on_ranks
 
 from qshard.cli import main as cli_main
+from qshard.config import resolve
+from qshard.errors import QShardError
+from qshard.train.samples import read_prompts
 
 PATTERN = "a b c a b c"
 PROMPT = "Say the pattern."
@@ -102,6 +105,19 @@ def test_two_ranks_sample_and_train_as_without(tiny_models, data, tmp_path):
     rows = _lines(tmp_path / "with" / "samples.jsonl")
     assert [r["step"] for r in rows] == [6] * 4 + [12] * 4
     assert _losses(tmp_path / "with") == _losses(tmp_path / "without")
+
+
+def test_prompts_from_a_yaml_list_or_a_jsonl_file(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("train:\n  sample_prompts: [\"Say it, twice.\", Go]\n")
+    assert read_prompts(resolve(str(config), []).train) == ["Say it, twice.", "Go"]
+    answered = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Go"}) + "\n\n" + json.dumps({"messages": answered}) + "\n")
+    assert read_prompts(resolve(None, [("train.sample_prompts", str(tmp_path / "p.jsonl"))]).train) == [
+        "Go", answered[:1]]  # a conversation up to its last answer
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "Go"}) + "\n")
+    with pytest.raises(QShardError, match=r"bad.jsonl:1: expected"):
+        read_prompts(resolve(None, [("train.sample_prompts", str(tmp_path / "bad.jsonl"))]).train)
 
 
 @pytest.mark.parametrize(("extra", "needle"), [

@@ -209,7 +209,7 @@ class TrainConfig:
     sample_every: int | None = None
     # A file (.txt: a prompt per line; .jsonl: {"prompt": ...} or {"messages": [...]}) or a list of prompts;
     # empty: the first 4 held-out examples' prompts (their conversation up to the last assistant turn).
-    sample_prompts: list[str] | str | None = None
+    sample_prompts: str | list[str] | None = None
     # Each sample ends at an end-of-turn token or after this many tokens.
     sample_max_new_tokens: int = 128
 
@@ -591,8 +591,8 @@ def _coerce(tp: Any, value: Any, name: str, source: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        if isinstance(value, str) and str in inner:  # a string where a list may also be given (a file's path)
-            return value
+        if isinstance(value, list):  # a list where a string may also be given (train.sample_prompts)
+            inner = [a for a in inner if get_origin(a) is list] or inner
         return _coerce(inner[0], value, name, source)
     if origin is Literal:
         # By type as well as value: `64.0 == 64` and `True == 1`, but neither is a valid choice.
