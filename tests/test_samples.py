@@ -9,12 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_on_ranks
+from transformers import AutoModelForCausalLM
 
 from qshard.cli import main as cli_main
 from qshard.config import resolve
 from qshard.errors import QShardError
-from qshard.train.samples import read_prompts
+from qshard.train.samples import greedy_generate, read_prompts
 
 PATTERN = "a b c a b c"
 PROMPT = "Say the pattern."
@@ -105,6 +107,18 @@ def test_two_ranks_sample_and_train_as_without(tiny_models, data, tmp_path):
     rows = _lines(tmp_path / "with" / "samples.jsonl")
     assert [r["step"] for r in rows] == [6] * 4 + [12] * 4
     assert _losses(tmp_path / "with") == _losses(tmp_path / "without")
+
+
+def test_batched_generation_is_each_prompts_own(tiny_models):
+    """Prompts of different lengths, padded on the left and decoded together, get what each gets alone."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_models("llama", num_hidden_layers=1)).eval()
+    prompts = [[1, 40, 41, 42, 43, 44], [1, 50], [1, 60, 61]]
+    alone = [greedy_generate(model, [p], [], 6, 0, torch.device("cpu"))[0] for p in prompts]
+    assert greedy_generate(model, prompts, [], 6, 0, torch.device("cpu")) == alone
+    assert all(len(c) == 6 for c in alone)
+    stop = alone[0][2]  # stopping at a token leaves it and what follows out, for that prompt alone
+    stopped = greedy_generate(model, prompts, [stop], 6, 0, torch.device("cpu"))
+    assert stopped == [c[: c.index(stop)] if stop in c else c for c in alone]
 
 
 def test_prompts_from_a_yaml_list_or_a_jsonl_file(tmp_path):
