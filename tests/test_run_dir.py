@@ -99,7 +99,8 @@ def test_overwrite_moves_the_previous_run_aside(finished, inputs, tmp_path, caps
     [previous] = out.glob(".previous-*")
     assert _files(previous) == {k: v for k, v in old.items() if k != "notes.txt"}
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [previous.name, "adapter", "checkpoints", "config.yaml", "metrics.jsonl", "notes.txt", "summary.json"])
+        [previous.name, "adapter", "checkpoints", "config.yaml", "metrics.jsonl", "notes.txt", "samples.jsonl",
+         "summary.json"])
 
 
 # ------------------------------------------------------------------------------------------------------ lock

@@ -212,6 +212,14 @@ class TrainConfig:
     # 0: off. Needs a held-out set and eval_every.
     early_stopping_patience: int = 0
     early_stopping_min_delta: float = 0.0
+    # Greedy completions of `sample_prompts` by the model being trained, written to samples.jsonl every N optimizer
+    # steps and at the last; empty: with every evaluation (eval_every and the end); 0: no samples.
+    sample_every: int | None = None
+    # A file (.txt: a prompt per line; .jsonl: {"prompt": ...} or {"messages": [...]}) or a list of prompts;
+    # empty: the first 4 held-out examples' prompts (their conversation up to the last assistant turn).
+    sample_prompts: str | list[str] | None = None
+    # Each sample ends at an end-of-turn token or after this many tokens.
+    sample_max_new_tokens: int = 128
 
 
 @dataclass
@@ -331,6 +339,7 @@ class Config:
         _positive("train.log_every", self.train.log_every)
         _non_negative("train.loss_chunk_tokens", self.train.loss_chunk_tokens)
         self._validate_profile_steps()
+        self._validate_samples()
         _positive("parallel.nproc", self.parallel.nproc)
         for name in ("timeout_s", "load_timeout_s"):
             _positive(f"parallel.{name}", getattr(self.parallel, name))
@@ -370,6 +379,14 @@ class Config:
                               "are read back from its checkpoint)")
         if self.output.adapter_from == "best" and t.train_type in ADAPTERLESS_TRAIN_TYPES:
             raise QShardError(f"output.adapter_from: train.train_type {t.train_type} writes no adapter")
+    def _validate_samples(self) -> None:
+        t, d = self.train, self.data
+        if t.sample_every is not None:
+            _non_negative("train.sample_every", t.sample_every)
+        _positive("train.sample_max_new_tokens", t.sample_max_new_tokens)
+        if t.sample_every and t.sample_prompts is None and not d.eval_path and d.eval_fraction == 0:
+            raise QShardError("train.sample_every: nothing to sample: train.sample_prompts is empty and there is no "
+                              "held-out set (data.eval_fraction 0 and no data.eval_path)")
 
     def _validate_lora_variants(self) -> None:
         lora, train_type = self.lora, self.train.train_type
@@ -625,6 +642,8 @@ def _coerce(tp: Any, value: Any, name: str, source: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if isinstance(value, list):  # a list where a string may also be given (train.sample_prompts)
+            inner = [a for a in inner if get_origin(a) is list] or inner
         return _coerce(inner[0], value, name, source)
     if origin is Literal:
         # By type as well as value: `64.0 == 64` and `True == 1`, but neither is a valid choice.

@@ -25,8 +25,8 @@ log = logging.getLogger("qshard")
 LOCK_FILE = ".qshard.lock"
 # Everything qshard itself writes into a run directory (each may also have a `.tmp` sibling, left by a write
 # that was killed). Nothing else in the directory is ever moved or deleted.
-RUN_ENTRIES = ("config.yaml", "metrics.jsonl", "summary.json", "adapter", "merged", "checkpoints", "demo-model",
-               "profile", "trackers")
+RUN_ENTRIES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json", "adapter", "merged", "checkpoints",
+               "demo-model", "profile", "trackers")
 PREVIOUS_PREFIX = ".previous-"
 
 # flock fails with these where the filesystem cannot lock at all (Lustre mounted without -o flock, some FUSE).

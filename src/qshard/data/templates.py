@@ -100,6 +100,14 @@ class Encoder:
             raise BadRecord(f"{where}: the chat template rejected this record: {e}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def generation_prompt(self, messages: list[dict[str, str]], where: str) -> list[int]:
+        """The ids a model is given to answer `messages`: rendered as training renders them, with the
+        assistant's turn opened, and the bos first as training puts it."""
+        ids = self._tokens(messages, True, where)
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
     def _conversation(self, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
         ids = self._tokens(messages, False, where)
         labels = [IGNORE_INDEX] * len(ids)

@@ -23,6 +23,7 @@ from qshard.train.metrics import MetricsLog, Progress, device_memory_gib, mfu_pe
 from qshard.train.nan_policy import NonFiniteError, build_nan_policy
 from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from qshard.train.profiler import profiled
+from qshard.train.samples import Samples
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -105,6 +106,7 @@ class Trainer:
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
         self.fit_step = profiled(self._fit_step, cfg, env)  # train.profile_steps, or _fit_step itself
         self.best = BestLoss(t.early_stopping_patience, t.early_stopping_min_delta)
+        self.samples: Samples | None = None  # greedy completions at some steps (set by the run when on)
 
     @staticmethod
     def plan(cfg: Config, n_examples: int, env: DistEnv) -> tuple[GlobalBatchSampler, int]:
@@ -250,6 +252,8 @@ class Trainer:
             self.nan_policy.check_eval(f"after step {record['step']}", result.last.loss)
             record["eval_loss"], record["eval_ppl"] = result.last.loss, result.last.perplexity
             self._judge_eval(record["step"], result)
+        if self.samples is not None and self.samples.due(record["step"], self.total_steps):
+            metrics.samples(record["step"], self.samples.generate(self.model, self.env.device))
         metrics.write(record)
         self.progress.step(record)
         result.records.append(record)

@@ -71,10 +71,10 @@ class MetricsLog:
     taken back whole and becomes a QShardError naming the file. Each record then goes to the `trackers`
     (output.trackers, rank 0; none when off)."""
 
-    def __init__(self, path: Path | None, trackers: Sequence[Guarded] = ()) -> None:
-        self.path, self.trackers = path, trackers
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-        self._fd = os.open(path, flags, 0o644) if path is not None else None
+    def __init__(self, path: Path | None, samples_path: Path | None = None, trackers: Sequence[Guarded] = ()) -> None:
+        self.path, self.samples_path, self.trackers = path, samples_path, trackers
+        self._fd = _open_append(path)
+        self._samples_fd = _open_append(samples_path)  # samples.jsonl, the same way
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fd is not None:
@@ -84,17 +84,29 @@ class MetricsLog:
             tracker.log_step(record)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """The completions generated at `step` (dicts with prompt, completion and step), as a table, to the trackers."""
+        """The samples of `step` (rows of prompt and completion): to samples.jsonl, one line each, all in one
+        write; then to the trackers, as a table."""
+        if self._samples_fd is not None:
+            lines = "".join(json.dumps({"step": step, **row}) + "\n" for row in rows)
+            with writing(self.samples_path):
+                _append_whole(self._samples_fd, lines.encode())
         for tracker in self.trackers:
             tracker.log_samples(step, rows)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for name in ("_fd", "_samples_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
         for tracker in self.trackers:
             tracker.close()
         self.trackers = ()
+
+
+def _open_append(path: Path | None) -> int | None:
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    return os.open(path, flags, 0o644) if path is not None else None
 
 
 def _append_whole(fd: int, line: bytes) -> None:

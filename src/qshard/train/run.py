@@ -34,7 +34,7 @@ from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, bas
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import Example
 from qshard.errors import QShardError
-from qshard.export_tokenizer import ExportTokenizer, export_tokenizer
+from qshard.export_tokenizer import ExportTokenizer, export_tokenizer, plain_text_run
 from qshard.models import SwapReport
 from qshard.parallel.distributed import (
     DistEnv,
@@ -50,12 +50,13 @@ from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 from qshard.train.plan import RunPlan
 from qshard.train.profiler import check_profile_steps
+from qshard.train.samples import Prompt, build_samples, read_prompts
 from qshard.train.trackers import open_trackers
 
 log = logging.getLogger("qshard")
 
 # Files that make a directory look like a finished (or running) qshard run.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "adapter", "merged")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json", "adapter", "merged")
 
 
 def resolve_output_dir(cfg: Config) -> Path:
@@ -142,6 +143,7 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
     with locked, scratch as demo_home, rundir.writing(f"into {out}"):  # a full disk met anywhere: one line
         _check_not_taken(cfg, out)
         started = time.perf_counter()
+        prompts = read_prompts(cfg.train)  # before anything is loaded: an unreadable file is one line
         resume = _resume_from(cfg, out)
         inputs = _inputs(cfg, env, out, _trained_commit(cfg, resume), Path(demo_home) if demo_home else None,
                          weights=not dry_run)
@@ -153,9 +155,9 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
         if dry_run:
             _print_plan(cfg, env, out, inputs, resume)
             return RunResult(out, {}, None)
-        kept_metrics = _kept_metrics(out, resume.state["step"], env) if resume.continuing else []
-        run = _build(cfg, env, inputs, resume)
-        fit = _fit(cfg, env, out, run, kept_metrics, replace=cfg.output.overwrite and not resume.continuing)
+        kept = _kept_lines(out, resume.state["step"], env) if resume.continuing else _Kept()
+        run = _build(cfg, env, inputs, resume, prompts)
+        fit = _fit(cfg, env, out, run, kept, replace=cfg.output.overwrite and not resume.continuing)
         if fit.preempted:
             if env.is_main:
                 log.info("preempted: saved step %d; continue with the same command plus --resume auto",
@@ -267,8 +269,9 @@ class _Run:
     first: EvalResult | None = None  # a resumed run's held-out loss before training (saved with the checkpoint)
 
 
-def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
-    """The sharded model and its trainer, with the resumed checkpoint's weights, optimizer state and schedule."""
+def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume, prompts: list[Prompt] | None = None) -> _Run:
+    """The sharded model and its trainer, with the resumed checkpoint's weights, optimizer state and schedule,
+    and the samples it writes (train.sample_prompts as read, or None)."""
     model, report = build_model(cfg, env, inputs.model_dir, len(inputs.tokenizer))
     fingerprint = resume.fingerprint or base_fingerprint_all_ranks(cfg, env, inputs.model_dir)
     if env.is_main:
@@ -277,6 +280,8 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> _Run:
     tokenizer = inputs.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = Trainer(cfg, env, model, inputs.train, inputs.eval, pad_id)  # checks the data fills a batch
+    trainer.samples = build_samples(cfg, prompts, tokenizer, inputs.eval, inputs.exported.generation.get(
+        "eos_token_id", []), pad_id, plain_text_run(cfg.data))
     trainer.checkpoint_meta = {
         "base_model": base_model_name(cfg),
         "base_fingerprint": fingerprint,
@@ -318,12 +323,12 @@ def _restore(run: _Run, resume: _Resume, env: DistEnv) -> None:
                  time.perf_counter() - load_started)
 
 
-def _fit(cfg: Config, env: DistEnv, out: Path, run: _Run, kept_metrics: list[str], replace: bool) -> FitResult:
+def _fit(cfg: Config, env: DistEnv, out: Path, run: _Run, kept: _Kept, replace: bool) -> FitResult:
     """The run files written, then training under the training timeout: SIGTERM or SIGUSR1 stop it after a
     saved step, and a collective that fails names the step."""
     trainer = run.trainer
     checkpoints = CheckpointManager(out / "checkpoints", cfg, env.is_main, env.device)
-    metrics = _open_outputs(cfg, env, out, kept_metrics, replace, run.start_step)
+    metrics = _open_outputs(cfg, env, out, kept, replace, run.start_step, samples=run.trainer.samples is not None)
     set_timeout(env, "parallel.timeout_s", cfg.parallel.timeout_s)  # loading is over: ranks now keep in step
 
     def at_step() -> str:
@@ -464,18 +469,27 @@ def _preemption_handler(trainer: Trainer):
             signal.signal(sig, handler)
 
 
-def _kept_metrics(out: Path, step: int, env: DistEnv) -> list[str]:
-    """On rank 0, the metrics lines a run resumed at `step` keeps (checked with the other inputs)."""
-    kept: list[str] = []
-    from_rank0(lambda: kept.extend(read_until(out / "metrics.jsonl", step)), env.is_main)
+@dataclass
+class _Kept:
+    """The lines of metrics.jsonl and samples.jsonl a resumed run keeps."""
+
+    metrics: list[str] = dataclasses.field(default_factory=list)
+    samples: list[str] = dataclasses.field(default_factory=list)
+
+
+def _kept_lines(out: Path, step: int, env: DistEnv) -> _Kept:
+    """On rank 0, the metrics and samples lines a run resumed at `step` keeps (checked with the other inputs)."""
+    kept = _Kept()
+    from_rank0(lambda: kept.metrics.extend(read_until(out / "metrics.jsonl", step)), env.is_main)
+    from_rank0(lambda: kept.samples.extend(read_until(out / "samples.jsonl", step)), env.is_main)
     return kept
 
 
-def _open_outputs(cfg: Config, env: DistEnv, out: Path, kept: list[str], replace: bool,
-                  start_step: int) -> MetricsLog:
+def _open_outputs(cfg: Config, env: DistEnv, out: Path, kept: _Kept, replace: bool, start_step: int,
+                  samples: bool) -> MetricsLog:
     """Only now, with every input checked, does the output directory get its run files: under --overwrite
-    the previous run's are first moved aside whole. A resumed run keeps the metrics of the steps it resumes
-    after (the steps past its checkpoint are redone), and continues its trackers' runs."""
+    the previous run's are first moved aside whole. A resumed run keeps the metrics (and samples) of the steps
+    it resumes after (the steps past its checkpoint are redone), and continues its trackers' runs."""
     if not env.is_main:
         return MetricsLog(None)
     if replace:
@@ -484,13 +498,20 @@ def _open_outputs(cfg: Config, env: DistEnv, out: Path, kept: list[str], replace
             log.info("--overwrite: moved the previous run's files to %s (delete it when no longer needed)", moved)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)  # an old finished marker must not survive
-    metrics_file = out / "metrics.jsonl"
-    with rundir.writing(metrics_file):
-        rundir.write_atomic(metrics_file, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+    metrics_file, samples_file = out / "metrics.jsonl", out / "samples.jsonl"
+    _write_lines(metrics_file, kept.metrics)
+    if samples or kept.samples:
+        _write_lines(samples_file, kept.samples)
     with rundir.writing(out / "config.yaml"):
         rundir.write_atomic(out / "config.yaml", lambda tmp: config_mod.save(cfg, tmp))
     hyperparameters = {**cfg.to_dict(), "output_dir": str(out.resolve())}
-    return MetricsLog(metrics_file, open_trackers(cfg.output.trackers, hyperparameters, out, start_step))
+    return MetricsLog(metrics_file, samples_file if samples else None,
+                      open_trackers(cfg.output.trackers, hyperparameters, out, start_step))
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    with rundir.writing(path):
+        rundir.write_atomic(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in lines)))
 
 
 def _inputs_inside(cfg: Config, out: Path) -> set[str]:
