@@ -175,10 +175,12 @@ def test_samples_reach_each_tracker_as_a_table(tmp_path):
                                                                             "step": 2}]
     started = trackers.open_trackers(["tensorboard", "wandb", "mlflow"], {"train": {"max_steps": 2}}, tmp_path, 0)
     assert [t.name for t in started] == ["tensorboard", "wandb", "mlflow"]
-    metrics = MetricsLog(tmp_path / "metrics.jsonl", started)
+    metrics = MetricsLog(tmp_path / "metrics.jsonl", tmp_path / "samples.jsonl", started)
     metrics.write({"step": 2, "loss": 1.0})
     metrics.samples(2, rows)
     metrics.close()
+    assert [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == \
+        [{"step": 2, **row} for row in rows]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
