@@ -1,0 +1,112 @@
+"""`qshard generate`: a tiny chatml run trained until it knows three answers, then asked for them from its
+checkpoint (`--run`), in a conversation (`--chat`), and as a base with the exported PEFT adapter (`--model
+--adapter`); and the bad inputs, each one line and exit 2. All through `qshard.cli.main` in this process."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from qshard import cli
+from qshard.generate_cmd import Chatbot
+
+ANSWERS = {"Name a color.": "Blue sky.", "Name a fruit.": "Green apple.", "Name a pet.": "Small cat."}
+
+
+@pytest.fixture(scope="module")
+def run(tiny_models, tmp_path_factory):
+    """A one-layer base trained with chatml on three question-answer pairs, alone and as the second turn after
+    another (fp32, so the answers are exact)."""
+    root = tmp_path_factory.mktemp("generate")
+    base = root / "base"
+    shutil.copytree(tiny_models("llama", num_hidden_layers=1), base)
+    data = root / "chat.jsonl"
+    turns = {q: [{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in ANSWERS.items()}
+    records = [{"messages": t} for t in turns.values()] * 4
+    records += [{"messages": turns[first] + turns[second]} for first in turns for second in turns if first != second]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records * 3))
+    out = root / "run"
+    args = ["train", "--model", base, "--data", data, "--output-dir", out, "--data.chat_template", "chatml",
+            "--max-length", "256", "--batch-size", "8", "--max-steps", "60", "--lr", "3e-3",
+            "--optim.warmup_steps", "5", "--lora-rank", "16", "--lora.alpha", "32", "--train.precision", "fp32",
+            "--checkpoint.async_save", "false", "--data.eval_fraction", "0"]
+    assert cli.main([str(a) for a in args]) == 0
+    return {"base": base, "out": out}
+
+
+def generate(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli.main(["generate", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_run_prompt_chat_and_adapter(run, capsys, monkeypatch):
+    """One answer on standard output (logs on standard error); the same answers in a conversation that carries
+    its history; the same completion from the base with the exported adapter; sampling repeats with its seed."""
+    code, out, err = generate(capsys, "--run", run["out"], "--prompt", "Name a color.", "--max-new-tokens", "40")
+    assert code == 0, err
+    assert out.startswith("Blue sky.") and "Green apple." not in out, out
+    assert "generating with" in err and "Blue sky." not in err
+
+    seen = []
+    reply = Chatbot.reply
+    monkeypatch.setattr(Chatbot, "reply", lambda self, messages, s: seen.append(list(messages)) or reply(self, messages,
+                                                                                                           s))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name a pet.\n\nName a fruit.\n/exit\nName a color.\n"))
+    code, out, err = generate(capsys, "--run", run["out"], "--chat", "--max-new-tokens", "40")
+    assert code == 0, err
+    assert "Small cat." in out and "Green apple." in out and "Blue sky." not in out, out  # nothing after /exit
+    assert out.index("Small cat.") < out.index("Green apple.")
+    assert [len(m) for m in seen] == [1, 3]  # the second turn is asked with the first question and answer
+    assert seen[1][:2] == [{"role": "user", "content": "Name a pet."}, {"role": "assistant", "content": "Small cat."}]
+    monkeypatch.setattr(Chatbot, "reply", reply)
+
+    code, from_adapter, err = generate(capsys, "--model", run["base"], "--adapter", run["out"] / "adapter",
+                                       "--prompt", "Name a color.", "--max-new-tokens", "40",
+                                       "--train.precision", "fp32")
+    assert code == 0, err
+    assert from_adapter.startswith("Blue sky.")
+    _, from_run, _ = generate(capsys, "--run", run["out"], "--prompt", "Name a color.", "--max-new-tokens", "40")
+    assert from_adapter == from_run
+
+    sampled = [generate(capsys, "--run", run["out"], "--prompt", "Name a pet.", "--temperature", "1.5", "--top-p",
+                        "0.95", "--seed", "7", "--max-new-tokens", "12")[1] for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0].strip()
+
+
+def one_error(capsys, *args) -> str:
+    code, out, err = generate(capsys, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and lines[-1].startswith("qshard: error: "), err
+    assert not any("Traceback" in line for line in lines)
+    return lines[-1]
+
+
+def test_bad_inputs_are_one_line(run, capsys, tmp_path):
+    assert "is not a directory" in one_error(capsys, "--run", tmp_path / "nope", "--prompt", "x")
+    (tmp_path / "empty").mkdir()
+    assert "no complete checkpoint" in one_error(capsys, "--run", tmp_path / "empty", "--prompt", "x")
+    assert "--prompt" in one_error(capsys, "--run", run["out"])
+    assert "--top-p" in one_error(capsys, "--run", run["out"], "--prompt", "x", "--top-p", "0")
+    assert "--adapter" in one_error(capsys, "--model", run["base"], "--prompt", "x")
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(run["out"] / "adapter", adapter)
+    config = adapter / "adapter_config.json"
+    good = config.read_text()
+    config.write_text("{not json")
+    assert "adapter_config.json" in one_error(capsys, "--model", run["base"], "--adapter", adapter, "--prompt", "x")
+    config.write_text(json.dumps({**json.loads(good), "peft_type": "PREFIX_TUNING"}))
+    assert "PREFIX_TUNING" in one_error(capsys, "--model", run["base"], "--adapter", adapter, "--prompt", "x")
+    config.write_text(good)
+    # An adapter of a wider model: its A factors have more columns than this base's linears.
+    weights = adapter / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: (t.repeat(1, 2) if ".lora_A." in k else t) for k, t in tensors.items()}, weights)
+    line = one_error(capsys, "--model", run["base"], "--adapter", adapter, "--prompt", "x")
+    assert "lora_A" in line and "shape" in line
