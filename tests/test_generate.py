@@ -50,7 +50,7 @@ def test_run_prompt_chat_and_adapter(run, capsys, monkeypatch):
     its history; the same completion from the base with the exported adapter; sampling repeats with its seed."""
     code, out, err = generate(capsys, "--run", run["out"], "--prompt", "Name a color.", "--max-new-tokens", "40")
     assert code == 0, err
-    assert out.startswith("Blue sky.") and "Green apple." not in out, out
+    assert out == "Blue sky.\n"  # the turn's end marker (text in this vocabulary) is not part of the answer
     assert "generating with" in err and "Blue sky." not in err
 
     seen = []
@@ -60,8 +60,7 @@ def test_run_prompt_chat_and_adapter(run, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Name a pet.\n\nName a fruit.\n/exit\nName a color.\n"))
     code, out, err = generate(capsys, "--run", run["out"], "--chat", "--max-new-tokens", "40")
     assert code == 0, err
-    assert "Small cat." in out and "Green apple." in out and "Blue sky." not in out, out  # nothing after /exit
-    assert out.index("Small cat.") < out.index("Green apple.")
+    assert out == "Small cat.\nGreen apple.\n"  # nothing after /exit
     assert [len(m) for m in seen] == [1, 3]  # the second turn is asked with the first question and answer
     assert seen[1][:2] == [{"role": "user", "content": "Name a pet."}, {"role": "assistant", "content": "Small cat."}]
     monkeypatch.setattr(Chatbot, "reply", reply)
@@ -70,7 +69,7 @@ def test_run_prompt_chat_and_adapter(run, capsys, monkeypatch):
                                        "--prompt", "Name a color.", "--max-new-tokens", "40",
                                        "--train.precision", "fp32")
     assert code == 0, err
-    assert from_adapter.startswith("Blue sky.")
+    assert from_adapter == "Blue sky.\n"
     _, from_run, _ = generate(capsys, "--run", run["out"], "--prompt", "Name a color.", "--max-new-tokens", "40")
     assert from_adapter == from_run
 
@@ -110,3 +109,37 @@ def test_bad_inputs_are_one_line(run, capsys, tmp_path):
     save_file({k: (t.repeat(1, 2) if ".lora_A." in k else t) for k, t in tensors.items()}, weights)
     line = one_error(capsys, "--model", run["base"], "--adapter", adapter, "--prompt", "x")
     assert "lora_A" in line and "shape" in line
+
+
+def test_a_peft_dora_adapter_generates_as_peft_does(run, capsys, tmp_path):
+    """An adapter saved by peft itself (DoRA on two projections, lm_head trained in full, none of it at its
+    initial value), on a full-precision base (train_type dora) so that the completion must equal peft's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(run["base"], dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj"],
+                                                 modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+    peft_model.save_pretrained(tmp_path / "dora")
+    tokenizer = AutoTokenizer.from_pretrained(run["base"])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Say something."}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        new = peft_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        with peft_model.disable_adapter():
+            plain = peft_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    expected = tokenizer.decode(new[0, ids.shape[1]:], skip_special_tokens=True)
+    assert expected and not torch.equal(new, plain)  # the adapter changes the completion
+    code, out, err = generate(capsys, "--model", run["base"], "--adapter", tmp_path / "dora", "--prompt",
+                              "Say something.", "--max-new-tokens", "8", "--train.train_type", "dora",
+                              "--train.precision", "fp32")
+    assert code == 0, err
+    assert out == expected.rstrip() + "\n"

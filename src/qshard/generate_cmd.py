@@ -17,7 +17,8 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from transformers import GenerationConfig, TextStreamer
+from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 
 from qshard import checkpoint
 from qshard import config as config_mod
@@ -83,20 +84,64 @@ class Chatbot:
         """Generate the answer to `messages`, streamed to standard output as it comes; returns its text."""
         ids = self.encode(messages)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (self.ends or [None])[0]
+        config = sampling.generation_config(self.ends, pad)
+        end = self.turn_end_text()
+        if end:  # a template whose turn ends in text, not a token, ends the answer there
+            config.stop_strings = [end]
         torch.manual_seed(sampling.seed)  # the same seed, the same completion (CPU and CUDA generators)
-        streamer = TextStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer,
-                                  generation_config=sampling.generation_config(self.ends, pad))
-        return self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        printer = AnswerPrinter(self.tokenizer, end)
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=printer, generation_config=config,
+                            tokenizer=self.tokenizer)
+        return printer.answer
 
     def turn_end_text(self) -> str:
-        """What the template writes after an answer's content (e.g. chatml's `<|im_end|>` where that is plain
-        text, not a token): a model that generates it as text has it taken off its answer in the history."""
+        """What the template writes after an answer's content, when that is text rather than a special token (e.g.
+        chatml's `<|im_end|>` in a vocabulary without that token): the model generates it as text."""
         if self.template is None:
             return ""
         probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\x00"}]
         text = self.tokenizer.apply_chat_template(probe, chat_template=self.template, tokenize=False)
-        return text.rsplit("\x00", 1)[-1].strip() if "\x00" in text else ""
+        end = text.rsplit("\x00", 1)[-1].strip() if "\x00" in text else ""
+        ids = self.tokenizer.encode(end, add_special_tokens=False)
+        return end if self.tokenizer.decode(ids, skip_special_tokens=True).strip() == end else ""  # a token's: ""
+
+
+class AnswerPrinter(BaseStreamer):
+    """Prints an answer to standard output as its tokens come, a whole word at a time (a token may be part of one),
+    without the special tokens or the text that ends the turn (`end`); `answer` is what it printed."""
+
+    def __init__(self, tokenizer, end: str) -> None:
+        self.tokenizer, self.stop = tokenizer, end
+        self.tokens: list[int] = []
+        self.prompt_seen = False
+        self.answer = ""
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate hands the streamer the prompt first
+            self.prompt_seen = True
+            return
+        self.tokens.extend(value.reshape(-1).tolist())
+        text = self._text()
+        # Held back: the last word (a later token may extend or respace it) and what could begin the end text.
+        stable = text[: max(text.rfind(" "), text.rfind("\n")) + 1]
+        if self.stop:
+            stable = stable[: max(len(text) - len(self.stop), 0)]
+        if stable.startswith(self.answer):
+            self._print(stable)
+
+    def end(self) -> None:
+        text = self._text()
+        if self.stop and self.stop in text:
+            text = text[: text.index(self.stop)]
+        self._print(text.rstrip())
+        print(flush=True)
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def _print(self, text: str) -> None:
+        print(text[len(self.answer):], end="", flush=True)
+        self.answer = text
 
 
 def run_generate(run_dir: str | None, ckpt_arg: str | None, model_arg: str | None, adapter_arg: str | None,
@@ -134,7 +179,6 @@ def _chat(bot: Chatbot, sampling: Sampling) -> None:
     """A conversation: each line of standard input a user turn, answered with the whole history, until end of
     input or /exit. Prompts and notes go to standard error, so standard output holds the answers only."""
     history: list[dict[str, str]] = []
-    end = bot.turn_end_text()
     print(f"chat: one line per turn; {EXIT_COMMAND} or end of input to stop", file=sys.stderr)
     while True:
         print("> ", end="", file=sys.stderr, flush=True)
@@ -144,10 +188,7 @@ def _chat(bot: Chatbot, sampling: Sampling) -> None:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line.rstrip("\n")})
-        answer = bot.reply(history, sampling).strip()
-        if end and answer.endswith(end):
-            answer = answer[: -len(end)].rstrip()
-        history.append({"role": "assistant", "content": answer})
+        history.append({"role": "assistant", "content": bot.reply(history, sampling)})
 
 
 def _one_process_config(cfg: config_mod.Config) -> None:
@@ -176,9 +217,11 @@ def _from_run(run_dir: Path, ckpt_arg: str | None, env: DistEnv) -> Chatbot:
     return Chatbot(model, tokenizer.tokenizer, template, tokenizer.generation.get("eos_token_id", []), env.device)
 
 
-# adapter_config.json keys a qshard model cannot honour, by the value that means "not used".
-_UNSUPPORTED = {"layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
-                "fan_in_fan_out": False, "bias": "none", "use_qalora": False, "lora_bias": False}
+# adapter_config.json keys that ask for what qshard's adapters cannot represent, by the value that means "not used"
+# (None, or an empty list or dict, means it too). Layer subsets need none: a layer the adapter lacks keeps B = 0.
+_UNSUPPORTED = {"rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False, "bias": "none", "use_qalora": False,
+                "lora_bias": False, "layer_replication": None, "trainable_token_indices": None,
+                "target_parameters": None, "alora_invocation_tokens": None, "use_bdlora": None}
 
 
 def read_adapter_config(adapter: Path) -> dict[str, Any]:
@@ -193,7 +236,8 @@ def read_adapter_config(adapter: Path) -> dict[str, Any]:
     if config.get("peft_type") != "LORA":
         raise QShardError(f"{path}: peft_type {config.get('peft_type')!r}; qshard generate loads LORA adapters only")
     for key, unused in _UNSUPPORTED.items():
-        if config.get(key) not in (None, unused):
+        value = config.get(key)
+        if value not in (None, unused) and value not in ([], {}):
             raise QShardError(f"{path}: {key}={config[key]!r} is not supported by qshard's adapters")
     for key in ("r", "lora_alpha"):
         if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool) or config[key] <= 0:
