@@ -56,7 +56,7 @@ class Sampling:
         greedy = self.temperature == 0
         return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=not greedy,
                                 temperature=None if greedy else self.temperature,
-                                top_p=None if greedy else self.top_p, top_k=None,
+                                top_p=None if greedy else self.top_p, top_k=None if greedy else 0,  # 0: no top-k
                                 eos_token_id=ends or None, pad_token_id=pad)
 
 
@@ -162,10 +162,10 @@ def run_generate(run_dir: str | None, ckpt_arg: str | None, model_arg: str | Non
     try:
         if env.world_size > 1:
             raise QShardError("qshard generate runs in one process (one GPU or the CPU), not under a launcher")
-        bot = _from_run(Path(run_dir), ckpt_arg, env) if run_dir else _from_adapter(model_arg, Path(adapter_arg),
-                                                                                    overrides, env)
-        if chat and bot.template is None:
-            raise QShardError("--chat: the model has no chat template (it was trained on plain text); use --prompt")
+        if run_dir:
+            bot = _from_run(Path(run_dir), ckpt_arg, env, chat)
+        else:
+            bot = _from_adapter(model_arg, Path(adapter_arg), overrides, env, chat)
         bot.model.eval()
         if chat:
             _chat(bot, sampling)
@@ -198,14 +198,20 @@ def _one_process_config(cfg: config_mod.Config) -> None:
     cfg.parallel.nproc, cfg.parallel.compile, cfg.parallel.activation_offload = 1, False, False
 
 
-def _from_run(run_dir: Path, ckpt_arg: str | None, env: DistEnv) -> Chatbot:
+def _no_template(option: str) -> QShardError:
+    return QShardError(f"--chat: {option} has no chat template (it was trained on plain text); use --prompt")
+
+
+def _from_run(run_dir: Path, ckpt_arg: str | None, env: DistEnv, chat: bool) -> Chatbot:
     """The run's model as export_cmd rebuilds it (its base at the commit trained from, its checkpoint), with the
-    tokenizer and chat template training used."""
+    tokenizer and chat template training used. `chat`: refuse a plain-text run before anything is loaded."""
     if not run_dir.is_dir():
         raise QShardError(f"--run: {run_dir} is not a directory")
     ckpt = find_checkpoint(run_dir, ckpt_arg)
     state = checkpoint.read_state(ckpt)
     cfg = config_mod.resolve(str(ckpt / "config.yaml"), [])
+    if chat and plain_text_run(cfg.data):
+        raise _no_template(f"the run {run_dir}")
     _one_process_config(cfg)
     model_dir, _ = resolve_model(cfg, env, state.get("base_commit"))
     checkpoint.check_compatible(ckpt, state, cfg, base_fingerprint_all_ranks(cfg, env, model_dir))
@@ -285,7 +291,8 @@ def adapter_train_config(model_arg: str, config: dict[str, Any], params: dict[st
     return config_mod.resolve(None, pairs + overrides)
 
 
-def _from_adapter(model_arg: str, adapter: Path, overrides: list[tuple[str, str]], env: DistEnv) -> Chatbot:
+def _from_adapter(model_arg: str, adapter: Path, overrides: list[tuple[str, str]], env: DistEnv,
+                  chat: bool) -> Chatbot:
     """A base with a PEFT adapter: built as a qlora (qdora) run of it would be, its adapters set from the
     adapter's tensors; the adapter's tokenizer and generation config where it has them, else the base's."""
     if not adapter.is_dir():
@@ -298,11 +305,14 @@ def _from_adapter(model_arg: str, adapter: Path, overrides: list[tuple[str, str]
     _one_process_config(cfg)
     model_dir, _ = resolve_model(cfg, env)
     tokenizer = _adapter_tokenizer(adapter, cfg, model_dir)
+    template = getattr(tokenizer, "chat_template", None)
+    if chat and template is None:
+        raise _no_template(f"the tokenizer of {adapter} (or of its base)")
     model, _ = build_model(cfg, env, model_dir, len(tokenizer))
     _set_adapter(model, params, adapter)
     log.info("generating with %s on %s (%s)", adapter, model_arg, cfg.train.train_type)
     ends = _end_ids(adapter, model_dir, tokenizer)
-    return Chatbot(model, tokenizer, getattr(tokenizer, "chat_template", None), ends, env.device)
+    return Chatbot(model, tokenizer, template, ends, env.device)
 
 
 def _adapter_tokenizer(adapter: Path, cfg: config_mod.Config, model_dir: Path | None):
