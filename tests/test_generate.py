@@ -78,6 +78,24 @@ def test_run_prompt_chat_and_adapter(run, capsys, monkeypatch):
     assert sampled[0] == sampled[1] and sampled[0].strip()
 
 
+def test_an_adapter_with_new_tokens_is_built_with_their_rows(run, capsys, tmp_path):
+    """A run that added chatml's markers as tokens, with the embedding and head trained in full: its adapter on
+    the base answers as the run does, and stops at the new <|im_end|> token."""
+    out = tmp_path / "run"
+    data = run["base"].parent / "chat.jsonl"
+    args = ["train", "--model", run["base"], "--data", data, "--output-dir", out, "--data.chat_template", "chatml",
+            "--data.add_special_tokens", '["<|im_start|>", "<|im_end|>"]', "--lora.modules_to_save",
+            "[embed_tokens, lm_head]", "--max-length", "256", "--batch-size", "8", "--max-steps", "40", "--lr", "3e-3",
+            "--optim.warmup_steps", "5", "--lora-rank", "16", "--lora.alpha", "32", "--train.precision", "fp32",
+            "--checkpoint.async_save", "false", "--data.eval_fraction", "0"]
+    assert cli.main([str(a) for a in args]) == 0
+    code, from_run, err = generate(capsys, "--run", out, "--prompt", "Name a fruit.", "--max-new-tokens", "40")
+    assert code == 0 and from_run == "Green apple.\n", err
+    code, from_adapter, err = generate(capsys, "--model", run["base"], "--adapter", out / "adapter", "--prompt",
+                                       "Name a fruit.", "--max-new-tokens", "40", "--train.precision", "fp32")
+    assert code == 0 and from_adapter == from_run, err
+
+
 def one_error(capsys, *args) -> str:
     code, out, err = generate(capsys, *args)
     lines = err.strip().splitlines()

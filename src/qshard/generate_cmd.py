@@ -317,10 +317,15 @@ def _from_adapter(model_arg: str, adapter: Path, overrides: list[tuple[str, str]
 
 def _adapter_tokenizer(adapter: Path, cfg: config_mod.Config, model_dir: Path | None):
     """The adapter's own tokenizer (qshard's exports carry the one training used, template included), else the
-    base's."""
-    if (adapter / "tokenizer_config.json").is_file():
-        return load_tokenizer(adapter)
-    return training_tokenizer(cfg, model_dir)
+    base's. Tokens the adapter's has beyond the base's (data.add_special_tokens of the run that trained it) become
+    cfg.data.add_special_tokens, so that the model is built with their rows, as training built it."""
+    if not (adapter / "tokenizer_config.json").is_file():
+        return training_tokenizer(cfg, model_dir)
+    tokenizer = load_tokenizer(adapter)
+    base = training_tokenizer(cfg, model_dir).get_vocab()
+    cfg.data.add_special_tokens = [t for t, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+                                   if t not in base] or None
+    return tokenizer
 
 
 def _end_ids(adapter: Path, model_dir: Path | None, tokenizer) -> list[int]:
