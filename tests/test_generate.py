@@ -121,6 +121,14 @@ def test_bad_inputs_are_one_line(run, capsys, tmp_path):
     config.write_text(json.dumps({**json.loads(good), "peft_type": "PREFIX_TUNING"}))
     assert "PREFIX_TUNING" in one_error(capsys, "--model", run["base"], "--adapter", adapter, "--prompt", "x")
     config.write_text(good)
+    plain = tmp_path / "plain-base"  # a base without a chat template, the adapter without a tokenizer of its own
+    shutil.copytree(run["base"], plain)
+    (plain / "chat_template.jinja").unlink()
+    bare = tmp_path / "bare-adapter"
+    bare.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(adapter / name, bare / name)
+    assert "no chat template" in one_error(capsys, "--model", plain, "--adapter", bare, "--chat")
     # An adapter of a wider model: its A factors have more columns than this base's linears.
     weights = adapter / "adapter_model.safetensors"
     tensors = load_file(weights)

@@ -155,6 +155,8 @@ def run_generate(run_dir: str | None, ckpt_arg: str | None, model_arg: str | Non
         raise QShardError("give one of --run DIR or --model DIR --adapter DIR")
     if model_arg is not None and adapter_arg is None:
         raise QShardError("--model: give the adapter to load with --adapter DIR")
+    if model_arg is not None and ckpt_arg is not None:
+        raise QShardError("--checkpoint: only with --run; with --model, --adapter names the weights")
     if run_dir is not None and (adapter_arg or overrides):
         what = "--adapter" if adapter_arg else f"--{overrides[0][0]}"
         raise QShardError(f"{what}: only with --model; a run's checkpoint is loaded as the run was trained")
