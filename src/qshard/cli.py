@@ -1,5 +1,5 @@
 """Command line: `qshard train ...`, `qshard make-checkpoint ...`, `qshard export ...`, `qshard expand ...`,
-`qshard plot ...`.
+`qshard plot ...`, `qshard generate ...`.
 
 Every configuration key can be set as `--section.key VALUE` (or `--section.key=VALUE`); the common
 ones also have short flags. Order of precedence: defaults < `--config FILE` < flags, in order given.
@@ -116,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors shard of a merged model")
     exp.add_argument("--base-name", help="the base model the export names (adapter_config.json's "
                      "base_model_name_or_path): a Hub id, id@revision, or a directory; default: the run's own")
+    _generate_parser(sub)
     grow = sub.add_parser("expand", help="add identity-initialized blocks to a checkpoint (Llama-Pro)")
     grow.add_argument("--model", required=True, help="the model directory to expand")
     grow.add_argument("--output", required=True, help="the new model directory (must not exist, or be empty)")
@@ -125,6 +126,23 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="run output directories")
     plot.add_argument("--out", type=Path, help="the PNG (default: RUN/plot.png for one run, plot.png for several)")
     return parser
+
+
+def _generate_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="complete a prompt or chat with a run's model, or a base with a PEFT adapter",
+                         epilog="With --model, any --section.key VALUE of the configuration reference sets how the "
+                         "base is built (e.g. --quant.method hqq, --train.precision fp32).")
+    gen.add_argument("--run", help="a run's output directory")
+    gen.add_argument("--checkpoint", help="a checkpoint directory of the run (default: its newest complete one)")
+    gen.add_argument("--model", help="a base model directory or Hub id, for --adapter")
+    gen.add_argument("--adapter", help="a PEFT LoRA/DoRA adapter directory of --model")
+    gen.add_argument("--prompt", help="the one prompt to complete (the chat template applied, if the model has one)")
+    gen.add_argument("--chat", action="store_true", help="a conversation: one line of standard input per turn, "
+                     "until /exit or end of input")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above: sampling")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default 1)")
+    gen.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
+    gen.add_argument("--seed", type=int, default=0, help="the sampling's random seed (default 0)")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -205,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             return _expand(args, extra)
         if args.command == "plot":
             return _plot(args, extra)
+        if args.command == "generate":
+            return _generate(args, extra)
         cfg = parse_train_config(args, extra)
         check_installed(cfg.output.trackers)
         if cfg.parallel.nproc > 1 and not launcher.launched() and not args.dry_run:  # a dry run plans the ranks
@@ -262,6 +282,15 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 
     run_export(args.kind, Path(args.run), args.checkpoint, Path(args.out) if args.out else None, args.max_shard_gib,
                args.base_name)
+    return 0
+
+
+def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from qshard.generate_cmd import Sampling, run_generate
+
+    sampling = Sampling(args.temperature, args.top_p, args.max_new_tokens, args.seed)
+    run_generate(args.run, args.checkpoint, args.model, args.adapter, _dotted_overrides(extra), args.prompt,
+                 args.chat, sampling)
     return 0
 
 
