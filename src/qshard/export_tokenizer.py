@@ -14,7 +14,7 @@ from typing import Any
 from qshard.build import model_config
 from qshard.config import Config, DataConfig
 from qshard.data.templates import Encoder, end_of_turn_ids
-from qshard.errors import QShardError
+from qshard.hf_config import read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 # A base's copies that the exported tokenizer and generation config replace: a stale one left beside them could
@@ -70,12 +70,7 @@ def _generation_config(cfg: Config, model_dir: Path | None, ends: list[int]) -> 
     the end tokens first, then the base's own (a token the base stops at stays a stop token)."""
     path = None if model_dir is None else Path(model_dir) / GENERATION_CONFIG
     if path is not None and path.is_file():
-        try:
-            generation = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise QShardError(f"{path}: cannot read it ({exc})") from None
-        if not isinstance(generation, dict):
-            raise QShardError(f"{path}: expected a JSON object")
+        generation = read_json_object(path, "the base's generation config")
     else:
         hf = model_config(cfg, model_dir)
         generation = {k: v for k in ("bos_token_id", "eos_token_id", "pad_token_id")

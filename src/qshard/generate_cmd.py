@@ -28,6 +28,7 @@ from qshard.errors import QShardError
 from qshard.export import DORA_MAGNITUDE, PEFT_PREFIX
 from qshard.export_cmd import find_checkpoint
 from qshard.export_tokenizer import GENERATION_CONFIG, export_tokenizer, plain_text_run
+from qshard.hf_config import read_json_object
 from qshard.parallel.distributed import DistEnv, init_distributed, shutdown
 
 log = logging.getLogger("qshard")
@@ -235,12 +236,7 @@ _UNSUPPORTED = {"rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False
 def read_adapter_config(adapter: Path) -> dict[str, Any]:
     """adapter_config.json of a PEFT LoRA (or DoRA) adapter, refused with one line for anything else."""
     path = adapter / "adapter_config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise QShardError(f"--adapter: cannot read {path} ({exc})") from None
-    if not isinstance(config, dict):
-        raise QShardError(f"{path}: expected a JSON object")
+    config = read_json_object(path, "--adapter")
     if config.get("peft_type") != "LORA":
         raise QShardError(f"{path}: peft_type {config.get('peft_type')!r}; qshard generate loads LORA adapters only")
     for key, unused in _UNSUPPORTED.items():

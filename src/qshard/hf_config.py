@@ -71,3 +71,15 @@ def refuse_model_code(model_dir: str | Path) -> None:
                 f"{path}: 'auto_map' names Python code shipped with the model; qshard does not run model-supplied "
                 "code (if transformers implements this architecture itself, delete the 'auto_map' entry)"
             )
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON file that must hold one object (a generation or adapter config), with one-line errors naming
+    `what` asked for it and the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QShardError(f"{what}: cannot read {path} ({exc})") from None
+    if not isinstance(value, dict):
+        raise QShardError(f"{path}: expected a JSON object")
+    return value
