@@ -274,6 +274,7 @@ def test_pissa_on_an_nf4_base_quantizes_the_residual(principal_model, tmp_path, 
     (["--lora.init", "pissa", "--train.train_type", "llama_pro"], "lora.init: pissa initializes adapters"),
     (["--lora.init", "pissa_niter_3"], "lora.init must be one of default, pissa, olora, pissa_niter_1, "),
     (["--lora.init", "olora", "--train.train_type", "qdora"], "lora.init: olora with train.train_type qdora"),
+    (["--lora.use_rslora", "true", "--train.train_type", "full"], "lora.use_rslora: scales adapters, which"),
 ])
 def test_variant_options_refused_in_one_line(options, message):
     from qshard.config import resolve

@@ -395,6 +395,8 @@ class Config:
             if train_type in ADAPTERLESS_TRAIN_TYPES:
                 raise QShardError(f"lora.plus_lr_ratio: train.train_type {train_type} trains no adapters, so there "
                                   "are no B factors to speed up")
+        if lora.use_rslora and train_type in ADAPTERLESS_TRAIN_TYPES:
+            raise QShardError(f"lora.use_rslora: scales adapters, which train.train_type {train_type} does not train")
         if lora.init != "default" and train_type in ADAPTERLESS_TRAIN_TYPES:
             raise QShardError(f"lora.init: {lora.init} initializes adapters, which train.train_type {train_type} "
                               "does not train")
