@@ -132,6 +132,17 @@ def _then_freeze(rank: int, fn, *args) -> None:
     gc.freeze()  # what is left is only freed at exit; frozen objects are never collected again
 
 
+
+class LogLines(logging.Handler):
+    """The messages of the log records it is attached to, at INFO and above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Build each architecture's tiny model once per session: `tiny_models("qwen2")` -> directory."""

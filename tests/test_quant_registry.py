@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SRC, spawn
+from conftest import SRC, LogLines, spawn
 from safetensors.torch import load_file
 
 from qshard import cli
@@ -95,15 +95,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _worker(rank: int, port: int, model_dir: str, data: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
@@ -113,7 +104,7 @@ def _worker(rank: int, port: int, model_dir: str, data: str, out: str) -> None:
     from qshard.train.run import train
 
     _register()  # every process of a run registers the method before its config is read
-    lines = _Lines()
+    lines = LogLines()
     logging.getLogger("qshard").addHandler(lines)
     logging.getLogger("qshard").setLevel(logging.INFO)
     env = init_distributed()

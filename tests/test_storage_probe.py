@@ -13,7 +13,7 @@ from importlib import resources
 
 import pytest
 import torch
-from conftest import spawn
+from conftest import LogLines, spawn
 
 STEPS = 2
 OFFLOADED_GRAD_OP = [("quant.method", "hqq"), ("parallel.cpu_offload", "true"), ("parallel.sharding", "grad_op")]
@@ -45,15 +45,6 @@ def _options(model_dir: str, out: str, extra: list[tuple[str, str]]) -> list[tup
             ("data.eval_fraction", "0"), ("train.eval_every", "0"), ("data.max_length", "32"),
             ("train.micro_batch_size", "2"), ("train.max_steps", str(STEPS)), ("optim.lr", "1e-2"),
             ("optim.warmup_steps", "0"), ("parallel.quant_sharding", "fsdp"), ("output.dir", out), *extra]
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _canonicalizing_copy_in():
@@ -115,7 +106,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     from qshard.parallel.distributed import init_distributed, shutdown
     from qshard.train.run import train
 
-    lines = _Lines()
+    lines = LogLines()
     logging.getLogger("qshard").addHandler(lines)
     logging.getLogger("qshard").setLevel(logging.INFO)
     env = init_distributed()
