@@ -1,13 +1,14 @@
 """Training speed on one GPU, qshard against the transformers + peft + bitsandbytes stack, in one invocation.
 
   python3 benchmarks/speed.py --out DIR [--seq 2048] [--batch 1] [--steps 15] [--warmup 5]
-                              [--systems qshard,qshard-compiled,reference] [--qshard-args "..."]
+                              [--systems qshard,qshard-compiled,qshard-eager,reference] [--qshard-args "..."]
 
 Builds the random-weight Llama-3-8B-shaped checkpoint (if absent) and a dataset of full-length examples,
 trains each system on exactly the same examples (LoRA r=64 alpha 16 on every block linear, NF4 base,
 activation checkpointing, AdamW, constant lr), each in a fresh process, and prints one table:
 
-  median step time over the steps after warm-up, tok/s, MFU, peak allocated GPU memory, ratio to the reference.
+  median step time over the steps after warm-up, tok/s, MFU, peak allocated GPU memory, ratio to the reference,
+  and the first step's time (for a compiled run: the compilation, or the caches' lookup when warm).
 
 MFU = tok/s x 6 x N / peak, as the training log line computes it (qshard.train.metrics.matmul_flops_per_token
 and peak_bf16_flops), where N counts the weights of every matmul a token goes through (the blocks'
@@ -103,7 +104,9 @@ def main() -> None:
 
 def run_system(system: str, args, base: list[str], data: Path) -> dict:
     py = sys.executable
-    variants = {"qshard": [], "qshard-compiled": ["--parallel.compile", "true"]}
+    # qshard: its defaults (compile auto: on on a GPU with Triton); the others say compile outright.
+    variants = {"qshard": [], "qshard-compiled": ["--parallel.compile", "true"],
+                "qshard-eager": ["--parallel.compile", "false"]}
     log = args.out / f"{system}.log"
     if system == "reference":
         cmd = [py, str(HERE / "hf_reference.py"), "--model", str(args.ckpt), "--data", str(data), "--seq",
@@ -135,13 +138,14 @@ def report_results(results: list[dict], args) -> None:
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
 
     print(f"\n{device}, seq {args.seq}, batch {args.batch}, median of steps {args.warmup + 1}-{args.steps}")
-    print("| system | median step (s) | tok/s | MFU | peak allocated GiB | vs reference |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| system | median step (s) | tok/s | MFU | peak allocated GiB | vs reference | first step (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
         ratio = f"{r['vs_reference']:.2f}x" if r["vs_reference"] else "-"
+        first = f"{r['step_times_s'][0]:.1f}" if r.get("step_times_s") else "-"
         print(f"| {r['system']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
-              f"{r['peak_alloc_gib']:.2f} | {ratio} |")
+              f"{r['peak_alloc_gib']:.2f} | {ratio} | {first} |")
 
 
 if __name__ == "__main__":

@@ -287,7 +287,8 @@ def error_of(*argv: str) -> str:
         (["--grad-accum", "-2"], ["train.grad_accum must be > 0"]),
         (["--train.eval_every", "-1"], ["train.eval_every must be >= 0"]),
         (["--train.log_every", "0"], ["train.log_every must be > 0"]),
-        (["--parallel.ac_save_projections", "true"], ["parallel.ac_save_projections: has no effect without "
+        (["--parallel.ac_save_projections", "true", "--parallel.compile", "false"],
+         ["parallel.ac_save_projections: has no effect without "
                                                         "parallel.compile true"]),
         (["--parallel.ac_save_projections", "true", "--parallel.compile", "true", "--lora.dropout", "0.1"],
          ["parallel.ac_save_projections: has no effect without lora.dropout 0"]),
@@ -488,7 +489,7 @@ def test_an_earlier_runs_config_yaml_still_resolves(tmp_path, caplog):
         ({"activation_checkpointing": False, "ac_every": 2}, "parallel.ac_every: has no effect"),
         ({"activation_checkpointing": False, "ac_reentrant": True}, "parallel.ac_reentrant: has no effect"),
         ({"compile": True, "ac_reentrant": True}, "parallel.ac_reentrant: with parallel.compile"),
-        ({"compile_backend": "aot_eager"}, "parallel.compile_backend: aot_eager has no effect"),
+        ({"compile": False, "compile_backend": "aot_eager"}, "parallel.compile_backend: aot_eager has no effect"),
     ],
 )
 def test_parallel_options_that_would_be_ignored_or_harmful_are_refused(options, message):

@@ -56,6 +56,8 @@ def test_log_line_on_cpu(runs):
     records = [json.loads(line) for line in (runs["root"] / "b" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and not any("mfu" in r for r in records)
     assert "qshard plot" in runs["stderr"]["b"]  # the end-of-run message names the plot command
+    # compile is on by default where it pays; on the CPU the run says once that it is off
+    assert runs["stderr"]["b"].count("parallel.compile auto: off on cpu") == 1
     assert [format_duration(s) for s in (3723.4, 245, 6)] == ["1h02m03s", "4m05s", "6s"]
 
 

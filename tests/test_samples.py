@@ -119,6 +119,10 @@ def test_batched_generation_is_each_prompts_own(tiny_models):
     stop = alone[0][2]  # stopping at a token leaves it and what follows out, for that prompt alone
     stopped = greedy_generate(model, prompts, [stop], 6, 0, torch.device("cpu"))
     assert stopped == [c[: c.index(stop)] if stop in c else c for c in alone]
+    # ids past the tokenizer's vocabulary (an embedding padded past it) are never chosen
+    limit = max(max(c) for c in alone)
+    limited = greedy_generate(model, prompts, [], 6, 0, torch.device("cpu"), vocab=limit)
+    assert all(t < limit for c in limited for t in c) and limited != alone
 
 
 def test_prompts_from_a_yaml_list_or_a_jsonl_file(tmp_path):

@@ -18,6 +18,7 @@ from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config, refuse_model_code
 from qshard.loading.hub import HubModel, has_weights, hub_model, resolve, resolve_on_nodes
 from qshard.models import SwapReport
+from qshard.parallel.compile import decide_compile
 from qshard.parallel.distributed import DistEnv, from_rank0
 from qshard.parallel.fsdp import parallelize
 from qshard.parallel.mesh import build_mesh
@@ -178,6 +179,7 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
     """`model_dir`: a directory this process can read (`local_model_dir`). `vocab_size`: the training
     tokenizer's length, which the embedding and head grow to when data.add_special_tokens made it outgrow the
     base's vocabulary. Every check that can fail on user input runs before the first weight is read."""
+    cfg = decide_compile(cfg, env.device, env.is_main)
     planned = skeleton(cfg, model_dir, env.world_size, env.device, vocab_size)
     model, blocks, report = planned.model, planned.blocks, planned.report
     resize = vocab.VocabResize.of(model)

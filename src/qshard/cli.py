@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         check_installed(cfg.output.trackers)
         if cfg.parallel.nproc > 1 and not launcher.launched() and not args.dry_run:  # a dry run plans the ranks
             return launcher.launch(cfg.parallel.nproc, argv)
+        # Before the heavy imports: importing bitsandbytes already fixes inductor's cache directory.
+        from qshard.parallel.compile import use_persistent_caches
+
+        use_persistent_caches()
         from qshard.train.run import run_training  # heavy imports only once the config is valid
 
         run_training(cfg, dry_run=args.dry_run)

@@ -255,9 +255,11 @@ class ParallelConfig:
     # time), or DTensor buffers gathered per layer on use (what cpu_offload keeps in host memory a block at a
     # time).
     quant_sharding: Literal["fsdp", "dtensor"] = "fsdp"
-    # Compile each transformer block's forward with torch.compile (fewer, fused kernels; the first steps
-    # pay the compilation). The backend is for tests and debugging (aot_eager runs without a C compiler).
-    compile: bool = False
+    # Compile each transformer block's forward with torch.compile (fewer, fused kernels; the first run of a
+    # model pays the compilation, later ones read it from the caches). auto: on where it runs and pays, on CUDA
+    # with Triton (parallel/compile.py, compile_choice). The backend is for tests and debugging (aot_eager runs
+    # without a C compiler).
+    compile: Literal["auto", True, False] = "auto"
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
 
 
@@ -442,14 +444,14 @@ class Config:
         if not p.activation_checkpointing and (p.ac_reentrant or p.ac_every != 1):
             option = "parallel.ac_reentrant" if p.ac_reentrant else "parallel.ac_every"
             raise QShardError(f"{option}: has no effect with parallel.activation_checkpointing false")
-        if p.compile and p.ac_reentrant and p.activation_checkpointing:
+        if p.compile is True and p.ac_reentrant and p.activation_checkpointing:
             # transformers' reentrant checkpointing wraps the block's forward, which compile would then trace:
             # the compiled graphs keep the block activations (docs/benchmarks-history.md).
             raise QShardError(
                 "parallel.ac_reentrant: with parallel.compile the checkpoint would be traced into the compiled "
                 "graph, which then keeps the activations; use parallel.ac_reentrant false"
             )
-        if not p.compile and p.compile_backend != "inductor":
+        if p.compile is False and p.compile_backend != "inductor":
             raise QShardError(f"parallel.compile_backend: {p.compile_backend} has no effect without parallel.compile")
         if p.ac_save_projections:
             # Only blocks whose checkpoint is traced into their compiled graph have projections to keep.
@@ -584,7 +586,7 @@ def checkpoint_trace_unmet(parallel: ParallelConfig, train_type: str, dropout: f
     with LoRA dropout a traced checkpoint keeps every dropout's output and mask, where the hooks'
     recomputation redraws them exactly."""
     return [reason for reason, ok in (
-        ("parallel.compile true", parallel.compile),
+        ("parallel.compile true", parallel.compile is not False),  # auto: decided on the device (compile_choice)
         ("parallel.activation_checkpointing true", parallel.activation_checkpointing),
         (f"a quantized train.train_type ({', '.join(QUANTIZED_TRAIN_TYPES)})", train_type in QUANTIZED_TRAIN_TYPES),
         ("lora.dropout 0", dropout == 0),
@@ -653,7 +655,7 @@ def _coerce(tp: Any, value: Any, name: str, source: str) -> Any:
             if isinstance(value, str) and (name, value) in REMOVED_VALUES:
                 raise QShardError(f"{source}: {name}: {value} is removed; use {REMOVED_VALUES[name, value]} "
                                   "(what it meant)")
-            choices = ", ".join(str(a) for a in args)
+            choices = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
             raise QShardError(f"{source}: {name} must be one of {choices}, got {value!r}")
         return value
     if origin is list:

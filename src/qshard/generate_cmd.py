@@ -86,6 +86,8 @@ class Chatbot:
         ids = self.encode(messages)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (self.ends or [None])[0]
         config = sampling.generation_config(self.ends, pad)
+        # Rows of the embedding past the tokenizer's (padded vocabularies) decode to no text: never chosen.
+        config.suppress_tokens = list(range(len(self.tokenizer), self.model.config.vocab_size)) or None
         end = self.turn_end_text()
         if end:  # a template whose turn ends in text, not a token, ends the answer there
             config.stop_strings = [end]

@@ -5,14 +5,29 @@ running eagerly around the compiled graph, exactly as without compilation. Block
 compiled graph (modules are inlined, so their parameters are graph inputs rather than constants baked
 into it). Activation checkpointing is traced into the graph of the blocks parallelize names
 (parallel/checkpointing.py: traced_checkpoint); elsewhere its hooks run around the compiled forward.
+
+`parallel.compile: auto` (the default) is decided here once per run, for the device it runs on
+(`compile_choice`), and the compiled code is cached on disk, so that a later run of the same model and
+configuration skips most of the compilation (`use_persistent_caches`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 
+from qshard.config import Config, ParallelConfig
 from qshard.parallel.checkpointing import traced_checkpoint
+
+log = logging.getLogger("qshard")
+
+AUTO = "auto"
 
 # Inductor's options for the blocks. Combo kernels launch independent small kernels of a graph as one (the
 # casts of a block's fp32 LoRA weights to bf16, for one): fewer launches, where the step is bound by the host's.
@@ -25,7 +40,84 @@ def compile_blocks(
     """Compile each block's forward; those in `checkpointed` with the checkpoint traced into the graph
     (keeping the outputs of narrowing projections with `save_projections`)."""
     options = INDUCTOR_OPTIONS if backend == "inductor" else None
+    keep_graphs_cacheable()
+    if checkpointed:
+        quiet_traced_checkpoint_notice()
     chosen = {id(b) for b in checkpointed}
     for block in blocks:
         forward = traced_checkpoint(block.forward, save_projections) if id(block) in chosen else block.forward
         block.forward = torch.compile(forward, backend=backend, options=options)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_traced_checkpoint_notice() -> None:
+    """torch warns, at the first compile, that a checkpoint given a context_fn (traced_checkpoint's policy)
+    must hold no in-place ops; the blocks hold none (tests/test_fast_paths.py compares them with eager blocks),
+    so users are not shown it. Other warnings of that logger still are."""
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if not any(isinstance(f, _DropMessage) for f in logger.filters):
+        logger.addFilter(_DropMessage("Detected that context_fn is passed to torch.utils.checkpoint"))
+
+
+def keep_graphs_cacheable() -> None:
+    """Let inductor's graph cache keep the blocks' graphs. A block's graph holds random ops even without dropout
+    (the attention kernel takes a dropout probability), which a traced checkpoint replays with their random
+    state. Where torch cannot cache the wrapper it uses for that by default (the one CUDA graphs need, and
+    qshard does not capture CUDA graphs), use the other, which it can: every run would compile anew otherwise."""
+    from torch._prims import rng_prims
+
+    graphsafe = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
+    if graphsafe is not None and not graphsafe.cacheable():
+        torch._functorch.config.graphsafe_rng_functionalization = False
+
+
+def compile_choice(parallel: ParallelConfig, device: torch.device) -> tuple[bool, str]:
+    """Whether this run compiles its blocks, and why. `auto` compiles on CUDA where inductor can generate its
+    kernels (Triton installed), and not where a setting keeps compile from paying: on the CPU inductor's C++
+    kernels compile for minutes to beat eager by little, and reentrant checkpointing would be traced into the
+    graph, which then keeps every activation (the config refuses `compile: true` with it)."""
+    if parallel.compile is not AUTO:
+        return parallel.compile, f"parallel.compile {str(parallel.compile).lower()}"
+    if device.type != "cuda":
+        return False, f"parallel.compile auto: off on {device.type}"
+    if parallel.compile_backend == "inductor" and importlib.util.find_spec("triton") is None:
+        return False, "parallel.compile auto: off, Triton is not installed"
+    if parallel.activation_checkpointing and parallel.ac_reentrant:
+        return False, "parallel.compile auto: off with parallel.ac_reentrant true"
+    return True, "parallel.compile auto: on (CUDA, Triton)"
+
+
+def with_compile_decided(cfg: Config, compiled: bool) -> Config:
+    """`cfg` with parallel.compile set to what `compile_choice` decided (the run's config.yaml keeps `auto`)."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compile=compiled))
+
+
+def decide_compile(cfg: Config, device: torch.device, log_it: bool) -> Config:
+    """`cfg` with parallel.compile decided for `device`, said once in the log when it was `auto`, with where the
+    compiled code is cached (`use_persistent_caches`; `qshard train` chooses that before anything imports
+    inductor)."""
+    compiled, why = compile_choice(cfg.parallel, device)
+    if compiled and cfg.parallel.compile_backend == "inductor":
+        why += f"; compiled code cached in {use_persistent_caches()}"
+    if log_it and cfg.parallel.compile is AUTO:
+        log.info(why)
+    return with_compile_decided(cfg, compiled)
+
+
+def use_persistent_caches() -> Path:
+    """Keep inductor's compiled graphs and kernels where the next run finds them: TORCHINDUCTOR_CACHE_DIR when
+    set, else ~/.cache/qshard/inductor (torch's default is under /tmp, which a reboot or a new node of a
+    cluster starts empty). Triton keeps its own kernels under ~/.triton. Returns the directory. It must run
+    before anything asks inductor for its cache directory (importing bitsandbytes does), which then keeps it."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(home / "qshard" / "inductor")
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])

@@ -82,11 +82,12 @@ def init_distributed(cpu_collectives: bool = False, timeout: tuple[str, float] |
         backend = "gloo"
     if not dist.is_initialized():
         delta = None if timeout is None else timedelta(seconds=timeout[1])
+        # The rank's GPU, named: collectives (barriers too) then need not guess it, and torch does not warn.
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
         if "WORLD_SIZE" in os.environ:
-            kwargs = {"device_id": device} if device.type == "cuda" else {}
             dist.init_process_group(backend, timeout=delta, **kwargs)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta, **kwargs)
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     env = DistEnv(dist.get_rank(), world_size, local_rank, device, mesh)

@@ -103,9 +103,10 @@ class RunPlan:
             parts.append(f"quant_sharding {p.quant_sharding}")
         parts.append(f"activation checkpointing every {p.ac_every} block(s)" if p.activation_checkpointing
                      else "no activation checkpointing")
-        flags = [name for name, on in (("compile", p.compile), ("ac_save_projections", p.ac_save_projections),
-                                       ("cpu_offload", p.cpu_offload), ("activation_offload", p.activation_offload))
-                 if on]
+        flags = [name for name, on in (
+            ("compile", p.compile is True), ("compile auto", p.compile == "auto"),
+            ("ac_save_projections", p.ac_save_projections), ("cpu_offload", p.cpu_offload),
+            ("activation_offload", p.activation_offload)) if on]
         return ", ".join(parts + flags)
 
     def _batch(self) -> str:

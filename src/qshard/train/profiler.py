@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,10 +72,13 @@ class StepProfiler:
 
     def _start(self) -> None:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.prof = profile(activities=activities, record_shapes=True, with_stack=True)
         if self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS)
-        self.prof.start()
+        with warnings.catch_warnings():
+            # The trace is one cycle, written whole: torch's notice that cycles clear their events is moot.
+            warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+            self.prof = profile(activities=activities, record_shapes=True, with_stack=True)
+            self.prof.start()
 
     def _stop(self, write: bool) -> None:
         prof, self.prof = self.prof, None

@@ -133,10 +133,12 @@ def _last_span_start(labels: list[int]) -> int:
 
 @torch.no_grad()
 def greedy_generate(model: nn.Module, prompts: list[list[int]], stop_ids: Sequence[int], max_new_tokens: int,
-                    pad_id: int, device: torch.device) -> list[list[int]]:
+                    pad_id: int, device: torch.device, vocab: int | None = None) -> list[list[int]]:
     """Greedy completions of `prompts` (token ids), batched (padded on the left) with a KV cache: each until one
-    of `stop_ids` (left out) or `max_new_tokens`. In a process group of several ranks every rank must call it
-    with the same prompts: rank 0's choice of each token is sent to all, so that all run the same forwards."""
+    of `stop_ids` (left out) or `max_new_tokens`, choosing among the first `vocab` ids (the tokenizer's: an
+    embedding padded past it, or larger than it, has rows no text decodes to). In a process group of several
+    ranks every rank must call it with the same prompts: rank 0's choice of each token is sent to all, so that
+    all run the same forwards."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -150,7 +152,7 @@ def greedy_generate(model: nn.Module, prompts: list[list[int]], stop_ids: Sequen
         result = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                        **cache)
         cache = {cache_argument: result.past_key_values}
-        token = _agreed(result.logits[:, -1].argmax(-1))
+        token = _agreed(result.logits[:, -1, :vocab].argmax(-1))
         token = torch.where(done, pad_id, token)
         out.append(token)
         done |= torch.isin(token, stops)
@@ -214,7 +216,7 @@ class Samples:
         """One row per prompt: the prompt and its greedy completion (special tokens left out)."""
         with generating(model, device):
             completions = greedy_generate(model, self.tokens, self.stop_ids, self.max_new_tokens, self.pad_id,
-                                          device)
+                                          device, vocab=len(self.tokenizer))
         return [{"prompt": prompt, "completion": self.tokenizer.decode(ids, skip_special_tokens=True)}
                 for prompt, ids in zip(self.prompts, completions, strict=True)]
 
