@@ -1,0 +1,178 @@
+"""Long context: the sequence-tiled MLP (parallel.mlp_tile_tokens) computes what the plain MLP computes, its
+gradients reach FSDP2 (world sizes 1 and 2), and a block saves less for backward with it."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import spawn
+from torch.distributed.tensor import DTensor
+
+from qshard.config import resolve
+from qshard.errors import QShardError
+
+TILE = 8  # several tiles of the 2 x 37 tokens below, and a short last one
+
+
+def _build(model_dir, env, tile: int, *options: tuple[str, str]):
+    from qshard.build import build_model
+
+    cfg = resolve(None, [("train.precision", "fp32"), ("parallel.mlp_tile_tokens", str(tile)), *options])
+    model, _ = build_model(cfg, env, model_dir)
+    model.train()
+    return model
+
+
+def _loss_and_grads(model, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, name
+            grads[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def _compare(model_dir, env, options, ids) -> dict[str, float]:
+    """Loss and every trainable gradient, untiled and tiled; returns the largest relative gradient error."""
+    from qshard.parallel import tiling
+
+    plain_loss, plain = _loss_and_grads(_build(model_dir, env, 0, *options), ids)
+    tiled_model = _build(model_dir, env, TILE, *options)
+    calls = []
+    backward = tiling._TiledMLP.backward
+    tiling._TiledMLP.backward = staticmethod(lambda ctx, g: calls.append(1) or backward(ctx, g))
+    try:
+        tiled_loss, tiled = _loss_and_grads(tiled_model, ids)
+    finally:
+        tiling._TiledMLP.backward = staticmethod(backward)
+    assert len(calls) == tiled_model.config.num_hidden_layers  # every block's MLP went through the tiles
+    assert abs(tiled_loss - plain_loss) <= 1e-5 * abs(plain_loss)
+    assert plain.keys() == tiled.keys() and any(".mlp." in n for n in plain)
+    errors = {n: float((tiled[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in plain.items()}
+    return {"loss": tiled_loss, "error": max(errors.values())}
+
+
+@pytest.mark.parametrize("options", [
+    (("train.train_type", "qlora"),),  # non-reentrant checkpoints
+    (("train.train_type", "qdora"), ("parallel.ac_reentrant", "true")),
+    (("train.train_type", "lora"), ("parallel.activation_checkpointing", "false")),
+], ids=["qlora", "qdora-reentrant", "lora-no-checkpoints"])
+def test_tiled_mlp_equals_plain(dist_env, tiny_models, options):
+    ids = torch.randint(3, 400, (2, 37), generator=torch.Generator().manual_seed(0))
+    assert _compare(tiny_models("llama"), dist_env, options, ids)["error"] < 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from qshard.parallel.distributed import init_distributed, shutdown
+
+    env = init_distributed()
+    # Each rank its own tokens: the gradients compared are FSDP2's averages over both ranks.
+    ids = torch.randint(3, 400, (1, 45), generator=torch.Generator().manual_seed(rank))
+    result = _compare(model_dir, env, (("train.train_type", "qlora"),), ids)
+    torch.save(result, f"{result_dir}/rank{rank}.pt")
+    shutdown()
+
+
+def test_tiled_mlp_gradients_reach_fsdp2_world_size_2(tmp_path, tiny_models):
+    spawn(_worker, (2, _free_port(), str(tiny_models("llama")), str(tmp_path)))
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert results[0]["loss"] != results[1]["loss"]  # different data on each rank
+    assert all(r["error"] < 1e-5 for r in results), results
+
+
+def _saved_bytes(model, ids: torch.Tensor) -> int:
+    """Bytes of the activations the forward saves for backward (parameters are not copies)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if not isinstance(t, nn.Parameter):
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return total
+
+
+def test_tiled_mlp_saves_less_for_backward(dist_env, tiny_models):
+    ids = torch.randint(3, 400, (1, 96), generator=torch.Generator().manual_seed(0))
+    options = (("train.train_type", "qlora"), ("parallel.activation_checkpointing", "false"))
+    plain = _saved_bytes(_build(tiny_models("llama"), dist_env, 0, *options), ids)
+    tiled_model = _build(tiny_models("llama"), dist_env, TILE, *options)
+    tiled = _saved_bytes(tiled_model, ids)
+    # Untiled, each MLP keeps at least gate, up, act and product ([tokens, intermediate] each, fp32); tiled,
+    # only its [tokens, hidden] input.
+    cfg = tiled_model.config
+    per_block = 4 * 96 * cfg.intermediate_size * 4 - 96 * cfg.hidden_size * 4
+    assert plain - tiled >= cfg.num_hidden_layers * per_block, (plain, tiled)
+
+
+class _MLP(nn.Module):
+    """A gated MLP of LoRA linears with dropout: the tiles' backward must draw the forward's masks again."""
+
+    def __init__(self) -> None:
+        from qshard.adapters import LoRALinear
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = LoRALinear(nn.Linear(16, 48), 16, 48, 4, 8.0, dropout=0.3)
+        self.down = LoRALinear(nn.Linear(48, 16), 48, 16, 4, 8.0, dropout=0.3)
+        for layer in (self.up, self.down):
+            layer.base.requires_grad_(False)
+            nn.init.normal_(layer.lora_A)
+            nn.init.normal_(layer.lora_B)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.up(x)))
+
+
+def test_tiled_mlp_replays_dropout_masks():
+    from qshard.parallel.tiling import tile_mlps
+
+    # The reference: the same tiles of the flattened tokens, through autograd (which keeps every tile's
+    # intermediates and dropout masks), with the same random state at the start.
+    x = torch.randn(2, 21, 16)
+    mlp_plain, mlp_tiled = _MLP(), _MLP()
+    block = nn.Module()
+    block.mlp = mlp_tiled
+    tile_mlps(block, [block], 5)
+    flat = x.reshape(1, -1, 16)
+    inputs = [flat.clone().requires_grad_(True) for _ in range(2)]
+    torch.manual_seed(1)
+    want = torch.cat([mlp_plain(p) for p in inputs[0].split(5, dim=1)], dim=1)
+    torch.manual_seed(1)
+    got = mlp_tiled(inputs[1])
+    torch.testing.assert_close(got, want)
+    weights = torch.arange(want.numel()).view_as(want).sin()
+    (want * weights).sum().backward()
+    torch.manual_seed(2)  # backward must not depend on the random state it finds
+    (got * weights).sum().backward()
+    # A mask drawn anew would change whole elements; summing the tiles in another order, the last bits only.
+    torch.testing.assert_close(inputs[1].grad, inputs[0].grad, rtol=1e-5, atol=1e-6)
+    for p, q in zip(mlp_plain.parameters(), mlp_tiled.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_tiled_mlp_refused_with_compile():
+    with pytest.raises(QShardError, match="parallel.mlp_tile_tokens: cannot be combined with parallel.compile"):
+        resolve(None, [("parallel.mlp_tile_tokens", "4096"), ("parallel.compile", "true")])
+    with pytest.raises(QShardError, match="parallel.mlp_tile_tokens must be >= 0"):
+        resolve(None, [("parallel.mlp_tile_tokens", "-1")])
