@@ -176,3 +176,67 @@ def test_tiled_mlp_refused_with_compile():
         resolve(None, [("parallel.mlp_tile_tokens", "4096"), ("parallel.compile", "true")])
     with pytest.raises(QShardError, match="parallel.mlp_tile_tokens must be >= 0"):
         resolve(None, [("parallel.mlp_tile_tokens", "-1")])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Positions: a sequence beyond the model's is refused unless its rope scaling reaches that far.
+
+LIMIT = 32  # the tiny models' max_position_embeddings here
+ROPES = {
+    "linear": dict(rope_type="linear", factor=4.0),
+    "dynamic": dict(rope_type="dynamic", factor=4.0),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=LIMIT),
+    # Llama 3.1's convention: max_position_embeddings is already the extended length.
+    "llama3": dict(rope_type="llama3", factor=4.0, original_max_position_embeddings=LIMIT // 4, low_freq_factor=1.0,
+                   high_freq_factor=4.0),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_position_limit_follows_rope_scaling(kind):
+    from transformers import LlamaConfig
+
+    from qshard.models import position_limit
+
+    assert position_limit(LlamaConfig(max_position_embeddings=LIMIT)) == (LIMIT, f"max_position_embeddings {LIMIT}")
+    limit, origin = position_limit(LlamaConfig(max_position_embeddings=LIMIT, rope_parameters=ROPES[kind]))
+    assert limit == (LIMIT if kind == "llama3" else 4 * LIMIT) and kind in origin
+
+
+def _records(path, n: int, words: int):
+    import json
+
+    path.write_text("".join(json.dumps({"instruction": f"say {i}", "output": " ".join(["word"] * words)}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def test_sequences_beyond_positions_refused_or_extended(tiny_models, tmp_path, capsys):
+    from qshard import cli
+
+    data = _records(tmp_path / "long.jsonl", 4, words=30)
+    plain = tiny_models("llama", num_hidden_layers=1, max_position_embeddings=LIMIT)
+    args = ["--data", str(data), "--max-steps", "1", "--data.max_length", "96", "--train.precision", "fp32",
+            "--train.micro_batch_size", "1"]
+    capsys.readouterr()
+    code = cli.main(["train", "--model", str(plain), "--output-dir", str(tmp_path / "refused"), *args])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("qshard: error: ")]
+    assert code == 2 and len(errors) == 1, errors
+    assert "data.max_length 96" in errors[0] and f"the {LIMIT} positions" in errors[0] and "rope_scaling" in errors[0]
+    assert not (tmp_path / "refused" / "config.yaml").exists()
+
+    # Linear scaling x4 reaches 128 positions: the run trains, with the rotary embedding the config describes.
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from qshard.config import resolve
+    from qshard.train.run import run_training
+
+    scaled = tiny_models("llama", num_hidden_layers=1, max_position_embeddings=LIMIT, rope_parameters=ROPES["linear"])
+    cfg = resolve(None, [("model.path", str(scaled)), ("data.path", str(data)), ("output.dir", str(tmp_path / "ok")),
+                         ("train.max_steps", "1"), ("data.max_length", "96"), ("train.precision", "fp32"),
+                         ("train.micro_batch_size", "1"), ("parallel.mlp_tile_tokens", "16")])
+    result = run_training(cfg)
+    assert result.summary["steps"] == 1
+    rotary = result.model.model.rotary_emb
+    assert rotary.rope_type == "linear"
+    torch.testing.assert_close(rotary.inv_freq, LlamaRotaryEmbedding(result.model.config).inv_freq)
