@@ -240,3 +240,42 @@ def test_sequences_beyond_positions_refused_or_extended(tiny_models, tmp_path, c
     rotary = result.model.model.rotary_emb
     assert rotary.rope_type == "linear"
     torch.testing.assert_close(rotary.inv_freq, LlamaRotaryEmbedding(result.model.config).inv_freq)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention at long context: one unpacked row reaches SDPA with no mask (its causal kernel), never an L x L one.
+
+
+def test_long_row_reaches_sdpa_without_a_mask(dist_env, tiny_models, monkeypatch):
+    import torch.nn.functional as F
+
+    from qshard.data import Example, collate
+    from qshard.models import dense_mask_bytes
+    from qshard.train.loss import build_loss
+
+    length = 1024
+    cfg = resolve(None, [("train.micro_batch_size", "1"), ("data.max_length", str(length))])
+    assert dense_mask_bytes(cfg) == 0
+    model = _build(tiny_models("llama", num_hidden_layers=1, max_position_embeddings=length), dist_env, 0)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal, q.shape[-2]))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    ids = torch.randint(3, 400, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = collate([Example(ids, ids)], pad_id=0)  # what the trainer sends: micro-batch 1, unpacked
+    build_loss(model, chunk_tokens=256)(model, batch).backward()  # forward, then the checkpoint's recompute
+    assert calls == [(True, True, length)] * 2
+
+    # Packed rows do get a dense mask (a block-diagonal one): warned about from the size where it matters.
+    calls.clear()
+    halves = list(range(length // 2)) * 2
+    with torch.no_grad():
+        packed_batch = collate([Example(ids, ids, halves)], 0)
+        model(input_ids=packed_batch["input_ids"], position_ids=packed_batch["position_ids"], use_cache=False)
+    assert calls == [(False, False, length)]
+    packed = resolve(None, [("train.micro_batch_size", "1"), ("data.max_length", "32768"), ("data.packing", "true")])
+    assert dense_mask_bytes(packed) == 1 << 30

@@ -87,6 +87,36 @@ def check_positions(hf_config: PretrainedConfig, longest: int, max_length: int) 
         f"of {type(hf_config).__name__} ({origin}){hint}; set data.max_length to at most {limit}")
 
 
+def dense_mask_bytes(cfg: Config) -> int:
+    """Bytes of the [rows, L, L] attention mask transformers builds for each micro-batch where attention cannot
+    run causally without one: packed rows (a block-diagonal mask), micro-batches of several (padded) rows, or
+    eager attention. 0 for one unpacked row per micro-batch under sdpa, which gets no mask and runs SDPA's
+    causal kernel (memory linear in the sequence)."""
+    rows, length = cfg.train.micro_batch_size, cfg.data.max_length
+    if cfg.model.attn_implementation == "sdpa" and not cfg.data.packing and rows == 1:
+        return 0
+    return rows * length * length
+
+
+def warn_dense_mask(cfg: Config, threshold: int = 1 << 30) -> None:
+    """One warning where `dense_mask_bytes` reaches `threshold`: at long context such a mask alone can outgrow
+    the device, and how to avoid it is a setting away."""
+    nbytes = dense_mask_bytes(cfg)
+    if nbytes >= threshold:
+        log.warning("attention: with data.max_length %d, %s builds a dense attention mask of %.1f GiB per micro-"
+                    "batch; for long sequences use train.micro_batch_size 1, data.packing false and "
+                    "model.attn_implementation sdpa (causal attention without a mask)", cfg.data.max_length,
+                    _mask_reason(cfg), nbytes / 2**30)
+
+
+def _mask_reason(cfg: Config) -> str:
+    if cfg.model.attn_implementation != "sdpa":
+        return f"model.attn_implementation {cfg.model.attn_implementation}"
+    if cfg.data.packing:
+        return "data.packing"
+    return f"train.micro_batch_size {cfg.train.micro_batch_size} (padded rows)"
+
+
 def architecture(model: nn.Module) -> str:
     """The model's own class name: FSDP2 subclasses it as FSDP<Name>."""
     return next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))

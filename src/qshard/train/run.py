@@ -152,7 +152,7 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
         _check_resume(cfg, env, resume, inputs.model_dir)
         check_profile_steps(cfg.train.profile_steps, Trainer.plan(cfg, len(inputs.train), env)[1])
         _check_held_out(cfg, inputs)
-        _check_positions(cfg, inputs)
+        _check_positions(cfg, env, inputs)
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         if dry_run:
@@ -409,9 +409,12 @@ def _check_held_out(cfg: Config, inputs: _Inputs) -> None:
         raise QShardError(f"{on[0]}: the data gave no held-out examples (data.eval_path, data.eval_fraction)")
 
 
-def _check_positions(cfg: Config, inputs: _Inputs) -> None:
+def _check_positions(cfg: Config, env: DistEnv, inputs: _Inputs) -> None:
     """No sequence beyond the positions the pretrained model covers (models.position_limit). Random weights
-    learned no positions, so nothing is refused for them."""
+    learned no positions, so nothing is refused for them. And a warning where attention would build a mask of
+    O(max_length^2) (models.warn_dense_mask)."""
+    if env.is_main:
+        models.warn_dense_mask(cfg)
     if random_init(cfg):
         return
     longest = max(data.longest_positions(inputs.train), data.longest_positions(inputs.eval))
