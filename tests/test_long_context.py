@@ -279,3 +279,52 @@ def test_long_row_reaches_sdpa_without_a_mask(dist_env, tiny_models, monkeypatch
     assert calls == [(False, False, length)]
     packed = resolve(None, [("train.micro_batch_size", "1"), ("data.max_length", "32768"), ("data.packing", "true")])
     assert dense_mask_bytes(packed) == 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activation offload: host buffers from one pool, reused from step to step.
+
+
+def test_offload_pool_reuses_host_buffers_across_steps(dist_env, tiny_models, monkeypatch):
+    import logging
+
+    from conftest import LogLines
+
+    from qshard.parallel import offload
+
+    options = (("train.train_type", "qlora"),)
+    ids = [torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def train(hooks) -> list[float]:
+        model = _build(tiny_models("llama"), dist_env, TILE, *options)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for batch in ids:
+            with hooks(batch.numel()):
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            held.append((pool.allocations, pool.nbytes, pool.in_use))
+        return losses
+
+    # On the CPU the hooks copy CPU tensors into plain host buffers: the same bookkeeping, no streams.
+    pool, held = offload.HostPool(pin=False), []
+    expected = train(lambda tokens: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    held.clear()
+    lines, logger = LogLines(), logging.getLogger("qshard")
+    monkeypatch.setattr(offload, "_logged", False)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        found = train(lambda tokens: offload.OffloadActivations(pool, None, "cpu", tokens))
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert found == expected  # the same tensors come back
+    assert held[0][0] > 0 and held[0] == held[1] == held[2]  # steady after the first step
+    assert all(in_use == 0 for *_, in_use in held)  # every buffer went back once backward was done
+    logged = [line for line in lines.lines if line.startswith("activation offload:")]
+    assert len(logged) == 1 and "KiB per token" in logged[0], lines.lines
