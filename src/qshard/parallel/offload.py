@@ -131,10 +131,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
-        # Model storage saved for backward stays put: parameters, and the DTensor buffers that hold the
+        # Model storage saved for backward stays put: parameters and views of them (a linear keeps its weight
+        # transposed: the output head's alone is 1 GiB for an 8B model), and the DTensor buffers that hold the
         # quantized shards under quant_sharding: dtensor (copying those out and back each step is all cost).
-        if tensor.device.type != self.device_type or isinstance(tensor, (nn.Parameter, DTensor)) or \
-                not tensor.numel():
+        base = tensor if tensor._base is None else tensor._base
+        if tensor.device.type != self.device_type or isinstance(tensor, DTensor) or \
+                isinstance(base, (nn.Parameter, DTensor)) or not tensor.numel():
             return tensor
         nbytes = tensor.numel() * tensor.element_size()
         buffer = self.pool.take(nbytes)
