@@ -261,6 +261,9 @@ class ParallelConfig:
     # without a C compiler).
     compile: Literal["auto", True, False] = "auto"
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    # Run each block's MLP this many tokens at a time, forward and (recomputing each tile) backward, so that
+    # its [tokens, intermediate_size] activations exist for one tile only; 0: the whole sequence at once.
+    mlp_tile_tokens: int = 0
 
 
 @dataclass
@@ -458,6 +461,7 @@ class Config:
             unmet = checkpoint_trace_unmet(p, self.train.train_type, self.lora.dropout, p.nproc)
             if unmet:
                 raise QShardError(f"parallel.ac_save_projections: has no effect without {unmet[0]}")
+        self._validate_mlp_tiles()
         _non_negative("parallel.replicate_degree", p.replicate_degree)
         if p.replicate_degree and p.sharding != "hybrid":
             raise QShardError(
@@ -468,6 +472,15 @@ class Config:
                 f"parallel.replicate_degree: {p.replicate_degree} does not divide the {p.nproc} processes "
                 "(parallel.nproc) into equal shard groups"
             )
+
+    def _validate_mlp_tiles(self) -> None:
+        p = self.parallel
+        _non_negative("parallel.mlp_tile_tokens", p.mlp_tile_tokens)
+        if p.mlp_tile_tokens and p.compile is True:
+            # The tiles' backward runs autograd on each tile itself, which a compiled block's graph cannot trace.
+            raise QShardError("parallel.mlp_tile_tokens: cannot be combined with parallel.compile true (a compiled "
+                              "block cannot trace the tiled MLP's backward); set parallel.compile auto or false, or "
+                              "parallel.mlp_tile_tokens 0")
 
 
 def precision_name(cfg: Config) -> str:

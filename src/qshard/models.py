@@ -51,6 +51,72 @@ def build_skeleton(hf_config: PretrainedConfig, cfg: Config) -> nn.Module:
     return model
 
 
+def position_limit(hf_config: PretrainedConfig) -> tuple[int | None, str]:
+    """The longest sequence the model's positions cover, and where that figure comes from: its
+    max_position_embeddings, or with rope scaling (linear, dynamic, yarn, llama3, ...) the scaling's factor times
+    the length it extends (original_max_position_embeddings where stated, else max_position_embeddings)."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None, "no max_position_embeddings"
+    origin = f"max_position_embeddings {limit}"
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    # Per attention type (Gemma 3): every one of them must reach the length.
+    parts = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    extended = []
+    for part in parts:
+        kind, factor = part.get("rope_type", part.get("type", "default")), part.get("factor")
+        if kind == "default" or not isinstance(factor, (int, float)) or factor <= 1:
+            extended.append((limit, origin))
+            continue
+        original = part.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None) or limit
+        reach = max(limit, int(factor * original))
+        extended.append((reach, f"rope scaling {kind} x{factor:g} over {original} positions"))
+    return min(extended)
+
+
+def check_positions(hf_config: PretrainedConfig, longest: int, max_length: int) -> None:
+    """Refuse sequences that use more positions (`longest`, of data cut to `max_length`) than the model was
+    trained for, unless its config's rope scaling says how to reach that far (`position_limit`)."""
+    limit, origin = position_limit(hf_config)
+    if limit is None or longest <= limit:
+        return
+    hint = "" if "rope scaling" in origin else ", and its config has no rope_scaling saying how to extend them"
+    raise QShardError(
+        f"data: sequences of up to {longest} tokens (data.max_length {max_length}) exceed the {limit} positions "
+        f"of {type(hf_config).__name__} ({origin}){hint}; set data.max_length to at most {limit}")
+
+
+def dense_mask_bytes(cfg: Config) -> int:
+    """Bytes of the [rows, L, L] attention mask transformers builds for each micro-batch where attention cannot
+    run causally without one: packed rows (a block-diagonal mask), micro-batches of several (padded) rows, or
+    eager attention. 0 for one unpacked row per micro-batch under sdpa, which gets no mask and runs SDPA's
+    causal kernel (memory linear in the sequence)."""
+    rows, length = cfg.train.micro_batch_size, cfg.data.max_length
+    if cfg.model.attn_implementation == "sdpa" and not cfg.data.packing and rows == 1:
+        return 0
+    return rows * length * length
+
+
+def warn_dense_mask(cfg: Config, threshold: int = 1 << 30) -> None:
+    """One warning where `dense_mask_bytes` reaches `threshold`: at long context such a mask alone can outgrow
+    the device, and how to avoid it is a setting away."""
+    nbytes = dense_mask_bytes(cfg)
+    if nbytes >= threshold:
+        log.warning("attention: with data.max_length %d, %s builds a dense attention mask of %.1f GiB per micro-"
+                    "batch; for long sequences use train.micro_batch_size 1, data.packing false and "
+                    "model.attn_implementation sdpa (causal attention without a mask)", cfg.data.max_length,
+                    _mask_reason(cfg), nbytes / 2**30)
+
+
+def _mask_reason(cfg: Config) -> str:
+    if cfg.model.attn_implementation != "sdpa":
+        return f"model.attn_implementation {cfg.model.attn_implementation}"
+    if cfg.data.packing:
+        return "data.packing"
+    return f"train.micro_batch_size {cfg.train.micro_batch_size} (padded rows)"
+
+
 def architecture(model: nn.Module) -> str:
     """The model's own class name: FSDP2 subclasses it as FSDP<Name>."""
     return next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))

@@ -19,7 +19,7 @@ from qshard.data.batching import (
 from qshard.data.dataset import load_datasets
 from qshard.data.example import IGNORE_INDEX, Example
 from qshard.data.formats import FORMATS
-from qshard.data.packing import PackedExamples
+from qshard.data.packing import PackedExamples, longest_positions
 from qshard.data.templates import ALPACA as BUILTIN_CHAT_TEMPLATE
 from qshard.data.tokenize import load_examples
 
@@ -35,6 +35,7 @@ __all__ = [
     "input_tokens",
     "load_datasets",
     "load_examples",
+    "longest_positions",
     "model_inputs",
     "split_held_out",
 ]

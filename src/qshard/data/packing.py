@@ -35,6 +35,13 @@ def example_lengths(examples: Sequence[Example]) -> np.ndarray:
     return np.asarray([len(e.input_ids) for e in examples], dtype=np.int64)
 
 
+def longest_positions(examples: Sequence[Example]) -> int:
+    """The most positions any one sequence uses: its length, or packed, its longest document's (positions
+    restart at each document)."""
+    lengths = examples.doc_lengths if isinstance(examples, PackedExamples) else example_lengths(examples)
+    return int(lengths.max()) if len(lengths) else 0
+
+
 def pack_indices(lengths: np.ndarray, max_length: int) -> list[np.ndarray]:
     """Bins of example indices, each summing to at most max_length tokens.
 

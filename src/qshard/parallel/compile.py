@@ -83,7 +83,8 @@ def compile_choice(parallel: ParallelConfig, device: torch.device) -> tuple[bool
     """Whether this run compiles its blocks, and why. `auto` compiles on CUDA where inductor can generate its
     kernels (Triton installed), and not where a setting keeps compile from paying: on the CPU inductor's C++
     kernels compile for minutes to beat eager by little, and reentrant checkpointing would be traced into the
-    graph, which then keeps every activation (the config refuses `compile: true` with it)."""
+    graph, which then keeps every activation, and tiled MLPs run autograd inside their backward, which a graph
+    cannot trace (the config refuses `compile: true` with either)."""
     if parallel.compile is not AUTO:
         return parallel.compile, f"parallel.compile {str(parallel.compile).lower()}"
     if device.type != "cuda":
@@ -92,6 +93,8 @@ def compile_choice(parallel: ParallelConfig, device: torch.device) -> tuple[bool
         return False, "parallel.compile auto: off, Triton is not installed"
     if parallel.activation_checkpointing and parallel.ac_reentrant:
         return False, "parallel.compile auto: off with parallel.ac_reentrant true"
+    if parallel.mlp_tile_tokens:
+        return False, "parallel.compile auto: off with parallel.mlp_tile_tokens (a graph cannot trace the tiles)"
     return True, "parallel.compile auto: on (CUDA, Triton)"
 
 

@@ -1,10 +1,10 @@
 """FSDP2 for a model skeleton (still on meta): `parallelize`, the recipe, and its steps.
 
 The recipe: ready the quantized storage for what holds it (FSDP2, as integers or in float carriers, checked
-byte for byte; or DTensor buffers), choose the blocks whose checkpoint is traced into their compiled graph,
-checkpoint the others with hooks, compile the blocks, then `fully_shard` each block, the embedding and the
-head, and the root. On one device the quantized blocks (and a frozen embedding and head) get no unit: they
-are used in place (`blocks_in_place`).
+byte for byte; or DTensor buffers), tile each block's MLP along the sequence where asked, choose the blocks
+whose checkpoint is traced into their compiled graph, checkpoint the others with hooks, compile the blocks,
+then `fully_shard` each block, the embedding and the head, and the root. On one device the quantized blocks
+(and a frozen embedding and head) get no unit: they are used in place (`blocks_in_place`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from qshard.parallel.checkpointing import apply_activation_checkpointing, checkp
 from qshard.parallel.compile import compile_blocks
 from qshard.parallel.mesh import local_piece, shard_placements
 from qshard.parallel.offload import offload_policy, offload_quantized_storage
+from qshard.parallel.tiling import tile_mlps
 from qshard.precision import Precision, precision
 from qshard.quant import QuantizedLinear
 
@@ -43,6 +44,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
         check_storage_units([b for b in quantized if b not in in_place], mesh, parallel, prec, cfg.quant.method)
     else:
         storage_in_dtensor_buffers(model, blocks, mesh, parallel)
+    tile_mlps(model, blocks, parallel.mlp_tile_tokens)
     traced = traced_blocks(blocks, in_place, mesh, parallel, cfg.train.train_type, cfg.lora.dropout)
     apply_activation_checkpointing(model, blocks, parallel, traced)
     if parallel.compile:

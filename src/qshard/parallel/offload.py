@@ -13,15 +13,19 @@ runs and prefetches the next block's on a side stream (see there), then each lay
 shard over the shard group as without offload. The GPU holds at most two blocks' shards at a time.
 
 Activations: tensors that autograd saves for backward are copied to pinned CPU memory on a side stream
-while compute goes on, and copied back when backward needs them. Parameters are left in place (copying
-a weight out and back would only cost time). With activation checkpointing the checkpointed blocks save
-nothing but their inputs, which stay on the GPU; what moves is the rest (non-checkpointed blocks, head).
-On a CPU-only machine activations already live in host memory: nothing to do.
+while compute goes on, and copied back when backward needs them, into host buffers of a pool reused from
+step to step (`HostPool`). Parameters are left in place (copying a weight out and back would only cost
+time). With activation checkpointing the checkpointed blocks save nothing but their inputs, and those move
+too (hidden size x dtype bytes per token per block), with the rest (non-checkpointed blocks, head). On a
+CPU-only machine activations already live in host memory: nothing to do.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import logging
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -34,6 +38,8 @@ from torch.distributed.tensor import DTensor, Placement
 from qshard.config import Config, ParallelConfig
 from qshard.parallel.mesh import local_piece
 from qshard.quant import QuantizedLinear
+
+log = logging.getLogger("qshard")
 
 
 def offload_policy(parallel: ParallelConfig) -> OffloadPolicy:
@@ -49,43 +55,143 @@ def optimizer_device(cfg: Config, device: torch.device) -> torch.device:
     return torch.device("cpu") if cfg.parallel.cpu_offload else device
 
 
-class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors go to pinned host memory through a side stream; backward brings them back."""
+class HostPool:
+    """Host buffers for offloaded activations, handed out again from step to step (the same tensors are saved
+    every step), so the host memory they take stays at one step's worth.
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.stream = stream
+    Why exact sizes: torch's pinned-memory allocator rounds each allocation up to a power of two, so a block
+    input of 2.8 GB (342k tokens of an 8B model) would take 4 GiB, and the checkpoints of all blocks 1.4x
+    what they hold. The pool instead page-locks plain host tensors of exactly the size asked for
+    (cudaHostRegister). A buffer is reused for the smallest request it fits, once the last copy that used it
+    has passed (its event)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.free: dict[int, list[_HostBuffer]] = {}
+        self.sizes: list[int] = []  # the keys of `free` with buffers in them, ascending
+        self.nbytes = 0  # held in all, in use or free
+        self.in_use = 0
+        self.allocations = 0
+
+    def take(self, nbytes: int) -> _HostBuffer:
+        i = bisect.bisect_left(self.sizes, nbytes)
+        if i < len(self.sizes):
+            size = self.sizes[i]
+            buffer = self.free[size].pop()
+            if not self.free[size]:
+                del self.sizes[i]
+        else:
+            buffer = _HostBuffer(_host_bytes(nbytes, self.pin))
+            self.nbytes += nbytes
+            self.allocations += 1
+        self.in_use += buffer.size
+        return buffer
+
+    def give(self, buffer: _HostBuffer) -> None:
+        self.in_use -= buffer.size
+        if not self.free.get(buffer.size):
+            self.free[buffer.size] = []
+            bisect.insort(self.sizes, buffer.size)
+        self.free[buffer.size].append(buffer)
+
+
+class _HostBuffer:
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host, self.size = host, host.numel()
+        self.last_use = None  # the event of the last copy into or out of it (CUDA)
+
+
+def _host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
+    """`nbytes` of host memory, page-locked at exactly that size where `pin`; unlocked when the tensor goes."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if pin:
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0))
+        weakref.finalize(host, cudart.cudaHostUnregister, host.data_ptr())
+    return host
+
+
+class _Offloaded:
+    """A saved tensor's copy in a pool buffer; the buffer goes back to the pool when autograd drops this."""
+
+    def __init__(self, pool: HostPool, buffer: _HostBuffer, host: torch.Tensor, device: torch.device) -> None:
+        self.pool, self.buffer, self.host, self.device = pool, buffer, host, device
+
+    def __del__(self) -> None:
+        self.pool.give(self.buffer)
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """The forward of one micro-batch of `tokens` tokens: the tensors of `device_type` it saves for backward go
+    to host buffers of `pool` (through `stream`, a side CUDA stream, where given; else synchronously);
+    backward brings them back (the unpack hooks travel with the saved tensors)."""
+
+    def __init__(self, pool: HostPool, stream: torch.cuda.Stream | None, device_type: str, tokens: int) -> None:
+        self.pool, self.stream, self.device_type, self.tokens = pool, stream, device_type, tokens
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
-        # Model storage saved for backward stays put: parameters, and the DTensor buffers that hold the
+        # Model storage saved for backward stays put: parameters and views of them (a linear keeps its weight
+        # transposed: the output head's alone is 1 GiB for an 8B model), and the DTensor buffers that hold the
         # quantized shards under quant_sharding: dtensor (copying those out and back each step is all cost).
-        if tensor.device.type != "cuda" or isinstance(tensor, (nn.Parameter, DTensor)):
+        base = tensor if tensor._base is None else tensor._base
+        if tensor.device.type != self.device_type or isinstance(tensor, DTensor) or \
+                isinstance(base, (nn.Parameter, DTensor)) or not tensor.numel():
             return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        buffer = self.pool.take(nbytes)
+        host = buffer.host[:nbytes].view(tensor.dtype).view(tensor.shape)
+        if self.stream is None:
+            host.copy_(tensor)
+            return _Offloaded(self.pool, buffer, host, tensor.device)
         self.stream.wait_stream(torch.cuda.current_stream())  # the copy must see the finished values
         with torch.cuda.stream(self.stream):
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            if buffer.last_use is not None:  # the copy back of the step before must have read it
+                self.stream.wait_event(buffer.last_use)
             host.copy_(tensor, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
+            buffer.last_use = torch.cuda.Event()
+            buffer.last_use.record(self.stream)
         # The allocator must not hand the device memory to another tensor before the copy has read it.
         tensor.record_stream(self.stream)
-        return tensor.device, host, copied
+        return _Offloaded(self.pool, buffer, host, tensor.device)
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host, copied = packed
-        torch.cuda.current_stream().wait_event(copied)
-        return host.to(device, non_blocking=True)
+        if self.stream is None:
+            return packed.host.to(packed.device, copy=True)  # the buffer is reused once autograd drops it
+        buffer = packed.buffer
+        torch.cuda.current_stream().wait_event(buffer.last_use)
+        restored = packed.host.to(packed.device, non_blocking=True)
+        buffer.last_use = torch.cuda.Event()
+        buffer.last_use.record()  # the next copy into the buffer waits for this read
+        return restored
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        _log_host_bytes(self.pool, self.tokens)
 
 
-def activation_offload(cfg: Config, device: torch.device) -> Callable[[], AbstractContextManager]:
-    """A factory of the context each micro-batch's forward runs in (backward needs no context: the unpack
-    hooks travel with the saved tensors)."""
+def _log_host_bytes(pool: HostPool, tokens: int) -> None:
+    """Once per process: what the first micro-batch's forward offloaded, per token."""
+    global _logged
+    if _logged or not tokens or not pool.in_use:
+        return
+    _logged = True
+    log.info("activation offload: %.2f GiB of host memory for a micro-batch of %d tokens, %.0f KiB per token",
+             pool.in_use / 2**30, tokens, pool.in_use / tokens / 1024)
+
+
+_logged = False
+
+
+def activation_offload(cfg: Config, device: torch.device) -> Callable[[int], AbstractContextManager]:
+    """A factory of the context each micro-batch's forward runs in, given the micro-batch's tokens
+    (`OffloadActivations`). One pool of host buffers serves every micro-batch and step."""
     if not cfg.parallel.activation_offload or device.type != "cuda":
-        return contextlib.nullcontext
-    stream = torch.cuda.Stream(device)
-    return lambda: _OffloadActivations(stream)
+        return lambda tokens: contextlib.nullcontext()
+    pool, stream = HostPool(pin=True), torch.cuda.Stream(device)
+    return lambda tokens: OffloadActivations(pool, stream, device.type, tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ class Trainer:
         batches, scale, counts = inputs.batches, inputs.scale, inputs.counts
         loss_sum = torch.zeros((), device=self.env.device)
         for batch in batches:
-            with self.activation_offload():
+            with self.activation_offload(batch["input_ids"].numel()):
                 loss = self.loss_sum(self.model, batch)
             self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()

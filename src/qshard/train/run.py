@@ -20,12 +20,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
-from qshard import checkpoint, data, demo, export, outputs, rundir
+from qshard import checkpoint, data, demo, export, models, outputs, rundir
 from qshard import config as config_mod
 from qshard.build import (
     build_model,
     describe,
+    model_config,
     planned_skeleton,
+    random_init,
     resolve_model,
     training_tokenizer,
     weights_deferred,
@@ -150,6 +152,7 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
         _check_resume(cfg, env, resume, inputs.model_dir)
         check_profile_steps(cfg.train.profile_steps, Trainer.plan(cfg, len(inputs.train), env)[1])
         _check_held_out(cfg, inputs)
+        _check_positions(cfg, env, inputs)
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         if dry_run:
@@ -404,6 +407,18 @@ def _check_held_out(cfg: Config, inputs: _Inputs) -> None:
                                     ("checkpoint.keep_best", cfg.checkpoint.keep_best)) if wanted]
     if on and not inputs.eval:
         raise QShardError(f"{on[0]}: the data gave no held-out examples (data.eval_path, data.eval_fraction)")
+
+
+def _check_positions(cfg: Config, env: DistEnv, inputs: _Inputs) -> None:
+    """No sequence beyond the positions the pretrained model covers (models.position_limit). Random weights
+    learned no positions, so nothing is refused for them. And a warning where attention would build a mask of
+    O(max_length^2) (models.warn_dense_mask)."""
+    if env.is_main:
+        models.warn_dense_mask(cfg)
+    if random_init(cfg):
+        return
+    longest = max(data.longest_positions(inputs.train), data.longest_positions(inputs.eval))
+    models.check_positions(model_config(cfg, inputs.model_dir), longest, cfg.data.max_length)
 
 
 def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: float) -> dict:

@@ -1,0 +1,334 @@
+"""Long context: the sequence-tiled MLP (parallel.mlp_tile_tokens) computes what the plain MLP computes, its
+gradients reach FSDP2 (world sizes 1 and 2), and a block saves less for backward with it."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import spawn
+from torch.distributed.tensor import DTensor
+
+from qshard.config import resolve
+from qshard.errors import QShardError
+
+TILE = 8  # several tiles of the 2 x 37 tokens below, and a short last one
+
+
+def _build(model_dir, env, tile: int, *options: tuple[str, str]):
+    from qshard.build import build_model
+
+    cfg = resolve(None, [("train.precision", "fp32"), ("parallel.mlp_tile_tokens", str(tile)), *options])
+    model, _ = build_model(cfg, env, model_dir)
+    model.train()
+    return model
+
+
+def _loss_and_grads(model, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, name
+            grads[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def _compare(model_dir, env, options, ids) -> dict[str, float]:
+    """Loss and every trainable gradient, untiled and tiled; returns the largest relative gradient error."""
+    from qshard.parallel import tiling
+
+    plain_loss, plain = _loss_and_grads(_build(model_dir, env, 0, *options), ids)
+    tiled_model = _build(model_dir, env, TILE, *options)
+    calls = []
+    backward = tiling._TiledMLP.backward
+    tiling._TiledMLP.backward = staticmethod(lambda ctx, g: calls.append(1) or backward(ctx, g))
+    try:
+        tiled_loss, tiled = _loss_and_grads(tiled_model, ids)
+    finally:
+        tiling._TiledMLP.backward = staticmethod(backward)
+    assert len(calls) == tiled_model.config.num_hidden_layers  # every block's MLP went through the tiles
+    assert abs(tiled_loss - plain_loss) <= 1e-5 * abs(plain_loss)
+    assert plain.keys() == tiled.keys() and any(".mlp." in n for n in plain)
+    errors = {n: float((tiled[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in plain.items()}
+    return {"loss": tiled_loss, "error": max(errors.values())}
+
+
+@pytest.mark.parametrize("options", [
+    (("train.train_type", "qlora"),),  # non-reentrant checkpoints
+    (("train.train_type", "qdora"), ("parallel.ac_reentrant", "true")),
+    (("train.train_type", "lora"), ("parallel.activation_checkpointing", "false")),
+], ids=["qlora", "qdora-reentrant", "lora-no-checkpoints"])
+def test_tiled_mlp_equals_plain(dist_env, tiny_models, options):
+    ids = torch.randint(3, 400, (2, 37), generator=torch.Generator().manual_seed(0))
+    assert _compare(tiny_models("llama"), dist_env, options, ids)["error"] < 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from qshard.parallel.distributed import init_distributed, shutdown
+
+    env = init_distributed()
+    # Each rank its own tokens: the gradients compared are FSDP2's averages over both ranks.
+    ids = torch.randint(3, 400, (1, 45), generator=torch.Generator().manual_seed(rank))
+    result = _compare(model_dir, env, (("train.train_type", "qlora"),), ids)
+    torch.save(result, f"{result_dir}/rank{rank}.pt")
+    shutdown()
+
+
+def test_tiled_mlp_gradients_reach_fsdp2_world_size_2(tmp_path, tiny_models):
+    spawn(_worker, (2, _free_port(), str(tiny_models("llama")), str(tmp_path)))
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert results[0]["loss"] != results[1]["loss"]  # different data on each rank
+    assert all(r["error"] < 1e-5 for r in results), results
+
+
+def _saved_bytes(model, ids: torch.Tensor) -> int:
+    """Bytes of the activations the forward saves for backward (parameters are not copies)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if not isinstance(t, nn.Parameter):
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return total
+
+
+def test_tiled_mlp_saves_less_for_backward(dist_env, tiny_models):
+    ids = torch.randint(3, 400, (1, 96), generator=torch.Generator().manual_seed(0))
+    options = (("train.train_type", "qlora"), ("parallel.activation_checkpointing", "false"))
+    plain = _saved_bytes(_build(tiny_models("llama"), dist_env, 0, *options), ids)
+    tiled_model = _build(tiny_models("llama"), dist_env, TILE, *options)
+    tiled = _saved_bytes(tiled_model, ids)
+    # Untiled, each MLP keeps at least gate, up, act and product ([tokens, intermediate] each, fp32); tiled,
+    # only its [tokens, hidden] input.
+    cfg = tiled_model.config
+    per_block = 4 * 96 * cfg.intermediate_size * 4 - 96 * cfg.hidden_size * 4
+    assert plain - tiled >= cfg.num_hidden_layers * per_block, (plain, tiled)
+
+
+class _MLP(nn.Module):
+    """A gated MLP of LoRA linears with dropout: the tiles' backward must draw the forward's masks again."""
+
+    def __init__(self) -> None:
+        from qshard.adapters import LoRALinear
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = LoRALinear(nn.Linear(16, 48), 16, 48, 4, 8.0, dropout=0.3)
+        self.down = LoRALinear(nn.Linear(48, 16), 48, 16, 4, 8.0, dropout=0.3)
+        for layer in (self.up, self.down):
+            layer.base.requires_grad_(False)
+            nn.init.normal_(layer.lora_A)
+            nn.init.normal_(layer.lora_B)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.up(x)))
+
+
+def test_tiled_mlp_replays_dropout_masks():
+    from qshard.parallel.tiling import tile_mlps
+
+    # The reference: the same tiles of the flattened tokens, through autograd (which keeps every tile's
+    # intermediates and dropout masks), with the same random state at the start.
+    x = torch.randn(2, 21, 16, generator=torch.Generator().manual_seed(3))
+    mlp_plain, mlp_tiled = _MLP(), _MLP()
+    block = nn.Module()
+    block.mlp = mlp_tiled
+    tile_mlps(block, [block], 5)
+    flat = x.reshape(1, -1, 16)
+    inputs = [flat.clone().requires_grad_(True) for _ in range(2)]
+    torch.manual_seed(1)
+    want = torch.cat([mlp_plain(p) for p in inputs[0].split(5, dim=1)], dim=1)
+    torch.manual_seed(1)
+    got = mlp_tiled(inputs[1])
+    torch.testing.assert_close(got, want)
+    weights = torch.arange(want.numel()).view_as(want).sin()
+    (want * weights).sum().backward()
+    torch.manual_seed(2)  # backward must not depend on the random state it finds
+    (got * weights).sum().backward()
+    # A mask drawn anew would change whole elements; summing the tiles in another order, the last bits only.
+    trained = [(q.grad, p.grad) for p, q in zip(mlp_plain.parameters(), mlp_tiled.parameters()) if p.requires_grad]
+    pairs = [(inputs[1].grad, inputs[0].grad), *trained]
+    assert len(pairs) == 5
+    for got_grad, want_grad in pairs:
+        assert (got_grad - want_grad).norm() <= 1e-5 * want_grad.norm()
+
+
+def test_tiled_mlp_refused_with_compile():
+    with pytest.raises(QShardError, match="parallel.mlp_tile_tokens: cannot be combined with parallel.compile"):
+        resolve(None, [("parallel.mlp_tile_tokens", "4096"), ("parallel.compile", "true")])
+    with pytest.raises(QShardError, match="parallel.mlp_tile_tokens must be >= 0"):
+        resolve(None, [("parallel.mlp_tile_tokens", "-1")])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Positions: a sequence beyond the model's is refused unless its rope scaling reaches that far.
+
+LIMIT = 32  # the tiny models' max_position_embeddings here
+ROPES = {
+    "linear": dict(rope_type="linear", factor=4.0),
+    "dynamic": dict(rope_type="dynamic", factor=4.0),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=LIMIT),
+    # Llama 3.1's convention: max_position_embeddings is already the extended length.
+    "llama3": dict(rope_type="llama3", factor=4.0, original_max_position_embeddings=LIMIT // 4, low_freq_factor=1.0,
+                   high_freq_factor=4.0),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_position_limit_follows_rope_scaling(kind):
+    from transformers import LlamaConfig
+
+    from qshard.models import position_limit
+
+    assert position_limit(LlamaConfig(max_position_embeddings=LIMIT)) == (LIMIT, f"max_position_embeddings {LIMIT}")
+    limit, origin = position_limit(LlamaConfig(max_position_embeddings=LIMIT, rope_parameters=ROPES[kind]))
+    assert limit == (LIMIT if kind == "llama3" else 4 * LIMIT) and kind in origin
+
+
+def _records(path, n: int, words: int):
+    import json
+
+    path.write_text("".join(json.dumps({"instruction": f"say {i}", "output": " ".join(["word"] * words)}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def test_sequences_beyond_positions_refused_or_extended(tiny_models, tmp_path, capsys):
+    from qshard import cli
+
+    data = _records(tmp_path / "long.jsonl", 4, words=30)
+    plain = tiny_models("llama", num_hidden_layers=1, max_position_embeddings=LIMIT)
+    args = ["--data", str(data), "--max-steps", "1", "--data.max_length", "96", "--train.precision", "fp32",
+            "--train.micro_batch_size", "1"]
+    capsys.readouterr()
+    code = cli.main(["train", "--model", str(plain), "--output-dir", str(tmp_path / "refused"), *args])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("qshard: error: ")]
+    assert code == 2 and len(errors) == 1, errors
+    assert "data.max_length 96" in errors[0] and f"the {LIMIT} positions" in errors[0] and "rope_scaling" in errors[0]
+    assert not (tmp_path / "refused" / "config.yaml").exists()
+
+    # Linear scaling x4 reaches 128 positions: the run trains, with the rotary embedding the config describes.
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from qshard.config import resolve
+    from qshard.train.run import run_training
+
+    scaled = tiny_models("llama", num_hidden_layers=1, max_position_embeddings=LIMIT, rope_parameters=ROPES["linear"])
+    cfg = resolve(None, [("model.path", str(scaled)), ("data.path", str(data)), ("output.dir", str(tmp_path / "ok")),
+                         ("train.max_steps", "1"), ("data.max_length", "96"), ("train.precision", "fp32"),
+                         ("train.micro_batch_size", "1"), ("parallel.mlp_tile_tokens", "16")])
+    result = run_training(cfg)
+    assert result.summary["steps"] == 1
+    rotary = result.model.model.rotary_emb
+    assert rotary.rope_type == "linear"
+    torch.testing.assert_close(rotary.inv_freq, LlamaRotaryEmbedding(result.model.config).inv_freq)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention at long context: one unpacked row reaches SDPA with no mask (its causal kernel), never an L x L one.
+
+
+def test_long_row_reaches_sdpa_without_a_mask(dist_env, tiny_models, monkeypatch):
+    import torch.nn.functional as F
+
+    from qshard.data import Example, collate
+    from qshard.models import dense_mask_bytes
+    from qshard.train.loss import build_loss
+
+    length = 1024
+    cfg = resolve(None, [("train.micro_batch_size", "1"), ("data.max_length", str(length))])
+    assert dense_mask_bytes(cfg) == 0
+    model = _build(tiny_models("llama", num_hidden_layers=1, max_position_embeddings=length), dist_env, 0)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal, q.shape[-2]))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    ids = torch.randint(3, 400, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = collate([Example(ids, ids)], pad_id=0)  # what the trainer sends: micro-batch 1, unpacked
+    build_loss(model, chunk_tokens=256)(model, batch).backward()  # forward, then the checkpoint's recompute
+    assert calls == [(True, True, length)] * 2
+
+    # Packed rows do get a dense mask (a block-diagonal one): warned about from the size where it matters.
+    calls.clear()
+    halves = list(range(length // 2)) * 2
+    with torch.no_grad():
+        packed_batch = collate([Example(ids, ids, halves)], 0)
+        model(input_ids=packed_batch["input_ids"], position_ids=packed_batch["position_ids"], use_cache=False)
+    assert calls == [(False, False, length)]
+    packed = resolve(None, [("train.micro_batch_size", "1"), ("data.max_length", "32768"), ("data.packing", "true")])
+    assert dense_mask_bytes(packed) == 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activation offload: host buffers from one pool, reused from step to step.
+
+
+def test_offload_pool_reuses_host_buffers_across_steps(dist_env, tiny_models, monkeypatch):
+    import logging
+
+    from conftest import LogLines
+
+    from qshard.parallel import offload
+
+    options = (("train.train_type", "qlora"),)
+    ids = [torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def train(hooks) -> list[float]:
+        model = _build(tiny_models("llama"), dist_env, TILE, *options)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for batch in ids:
+            with hooks(batch.numel()):
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            held.append((pool.allocations, pool.nbytes, pool.in_use))
+        return losses
+
+    # On the CPU the hooks copy CPU tensors into plain host buffers: the same bookkeeping, no streams.
+    pool, held = offload.HostPool(pin=False), []
+    expected = train(lambda tokens: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    held.clear()
+    lines, logger = LogLines(), logging.getLogger("qshard")
+    monkeypatch.setattr(offload, "_logged", False)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        found = train(lambda tokens: offload.OffloadActivations(pool, None, "cpu", tokens))
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert found == expected  # the same tensors come back
+    assert held[0][0] > 0 and held[0] == held[1] == held[2]  # steady after the first step
+    assert all(in_use == 0 for *_, in_use in held)  # every buffer went back once backward was done
+    # The head's weight, which its linear saves as a transposed view, stays where it is.
+    head = _build(tiny_models("llama"), dist_env, TILE, *options).lm_head.weight
+    assert pool.free and head.numel() * head.element_size() not in pool.free
+    logged = [line for line in lines.lines if line.startswith("activation offload:")]
+    assert len(logged) == 1 and "KiB per token" in logged[0], lines.lines
