@@ -165,3 +165,42 @@ def test_bad_preference_options_are_one_line_exit_2(setting, message, capsys):
     assert main(["train", "--dry-run", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("qshard: error: ") and message in err, err
+
+
+# ------------------------------------------------------------------------------------------ the reference
+
+
+@pytest.mark.parametrize("train_type", ["qlora", "qdora"])
+def test_reference_is_the_base_with_adapters_off(train_type, tiny_models, dist_env):
+    """Inside adapters_disabled the model computes what transformers computes from its (dequantized) base weights;
+    outside, the adapters are back, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from qshard import export
+    from qshard.adapters import LoRALinear, adapters_disabled
+    from qshard.build import build_model
+
+    model_dir = tiny_models("llama")
+    cfg = Config()
+    cfg.model.path, cfg.train.train_type, cfg.train.precision = str(model_dir), train_type, "fp32"
+    model, _ = build_model(cfg.validate(), dist_env, model_dir)
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    with torch.no_grad():
+        for layer in layers:  # trained-looking adapters (B starts at zero, which would hide them)
+            layer.lora_B.normal_(0, 0.5)
+            if train_type == "qdora":
+                layer.magnitude.mul_(1.5)
+    model.eval()
+    ids = torch.randint(3, 400, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = model(input_ids=ids, use_cache=False).logits
+        with adapters_disabled(model):
+            reference = model(input_ids=ids, use_cache=False).logits
+        again = model(input_ids=ids, use_cache=False).logits
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        missing, unexpected = hf.load_state_dict(dict(export.base_weights(model, torch.float32)), strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}
+        base = hf(input_ids=ids).logits
+    torch.testing.assert_close(reference, base, atol=1e-4, rtol=1e-4)
+    assert (adapted - reference).abs().max() > 0.1  # the adapters matter, and were switched off
+    assert torch.equal(again, adapted) and all(layer.adapter_enabled for layer in layers)

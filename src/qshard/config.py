@@ -426,6 +426,9 @@ class Config:
         if self.train.train_type in ADAPTERLESS_TRAIN_TYPES and objective in REFERENCE_OBJECTIVES:
             raise QShardError(f"train.objective: {objective} takes its reference from the base with the adapters "
                               f"switched off, and train.train_type {self.train.train_type} trains no adapters")
+        if self.lora.modules_to_save and objective in REFERENCE_OBJECTIVES:
+            raise QShardError(f"lora.modules_to_save: train.objective {objective}'s reference is the base with the "
+                              "adapters switched off, which modules trained in full would change")
 
     def _validate_profile_steps(self) -> None:
         """[a, b] with 1 <= a <= b; that b is within the run is checked once the data gives its step count."""
