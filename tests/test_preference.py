@@ -204,3 +204,156 @@ def test_reference_is_the_base_with_adapters_off(train_type, tiny_models, dist_e
     torch.testing.assert_close(reference, base, atol=1e-4, rtol=1e-4)
     assert (adapted - reference).abs().max() > 0.1  # the adapters matter, and were switched off
     assert torch.equal(again, adapted) and all(layer.adapter_enabled for layer in layers)
+
+
+# --------------------------------------------------------------------------------------------------- data
+
+
+def _write_jsonl(path, records):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _encode(path, fmt="preference", **options):
+    from qshard.data.tokenize import encode_source, make_options
+    from qshard.demo_tokenizer import build_demo_tokenizer
+
+    tokenizer = build_demo_tokenizer()
+    gen = encode_source(path, tokenizer, make_options(options.pop("max_length", 64), fmt, **options))
+    rows = []
+    while True:
+        try:
+            ids, labels = next(gen)
+        except StopIteration as stop:
+            return tokenizer, [(r[0].tolist(), r[1].tolist()) for r in rows], stop.value
+        rows.append((ids, labels))
+
+
+def test_pair_layouts_encode_alike_with_the_prompt_untrained(tmp_path):
+    """Strings, message lists, and UltraFeedback's whole conversations give the same two rows per record."""
+    from qshard.data import IGNORE_INDEX
+    from qshard.data.templates import Encoder
+
+    user, good, bad = "Reverse the letters.", "c b a", "a b c"
+    turn = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
+    records = [
+        {"prompt": user, "chosen": good, "rejected": bad},
+        {"prompt": turn("user", user), "chosen": turn("assistant", good), "rejected": turn("assistant", bad)},
+        {"prompt": user, "chosen": turn("user", user) + turn("assistant", good),
+         "rejected": turn("user", user) + turn("assistant", bad)},
+    ]
+    tokenizer, rows, stats = _encode(_write_jsonl(tmp_path / "p.jsonl", records))
+    assert len(rows) == 6 and stats.examples == 3 and rows[0:2] == rows[2:4] == rows[4:6]
+    prompt = Encoder(tokenizer).generation_prompt(turn("user", user), "here")
+    (chosen, chosen_labels), (rejected, _) = rows[0], rows[1]
+    assert chosen[: len(prompt)] == prompt == rejected[: len(prompt)]
+    assert chosen_labels[: len(prompt)] == [IGNORE_INDEX] * len(prompt)
+    assert chosen_labels[len(prompt):] == chosen[len(prompt):] and chosen[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(chosen[len(prompt):], skip_special_tokens=True) == good
+
+
+def test_prompt_and_completions_truncated_kto_rows(tmp_path):
+    long_prompt = " ".join("abcdefghij" * 3)
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": long_prompt, "chosen": "x y z " * 10, "rejected": "q"}])
+    tokenizer, rows, stats = _encode(path, max_length=24, max_prompt_length=8)
+    (chosen, labels), (rejected, _) = rows
+    assert chosen[0] == tokenizer.bos_token_id and labels[:8] == [-100] * 8 and labels[8] != -100
+    assert len(chosen) == 24 and rejected[:8] == chosen[:8] and stats.truncated == 1
+    assert _encode(path, max_length=24, max_prompt_length=8, overlong="drop")[2].dropped_overlong == 1
+    kto = [{"prompt": "hi", "completion": "yes", "label": True}, {"prompt": "hi", "completion": "no", "label": False}]
+    _, rows, _ = _encode(_write_jsonl(tmp_path / "k.jsonl", kto), "kto")
+    assert [len(r[0]) > 0 for r in rows] == [True, False, False, True]
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": "p", "chosen": "a", "rejected": "a"}, "'chosen' and 'rejected' are identical"),
+    ({"chosen": "a", "rejected": "b"}, "no prompt: field 'prompt' is missing or empty"),
+    ({"prompt": "p", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
+     "field 'chosen' does not end with an assistant turn"),
+    ({"prompt": "p", "chosen": "a"}, "missing field 'rejected'"),
+])
+def test_bad_pairs_name_file_and_line_or_are_skipped(tmp_path, record, message):
+    from qshard.data.records import BadRecord
+
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}, record])
+    with pytest.raises(BadRecord, match=f"{path}:2: ") as e:
+        _encode(path)
+    assert message in str(e.value)
+    _, rows, stats = _encode(path, on_bad_record="skip")
+    assert len(rows) == 2 and stats.bad == 1
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+
+def _marker_pairs(path, n, seed):
+    """Pairs of one answer with two endings, of one length: the chosen one ends with the marker "!!", the rejected
+    one with another pair of signs (which one varies, so the base prefers neither ending more often)."""
+    import random
+
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        letters = " ".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 5)))
+        answer = " ".join(reversed(letters.split()))
+        other = rng.choice(["??", "..", ",,", ";;", "--", "::", "**", "##"])
+        records.append({"prompt": f"Reverse the letters.\n\n{letters}", "chosen": answer + " !!",
+                        "rejected": f"{answer} {other}"})
+    return _write_jsonl(path, records)
+
+
+def _pref_config(model_dir, tmp_path, out="run", objective="dpo", steps=8) -> Config:
+    cfg = Config()
+    cfg.model.path = str(model_dir)
+    cfg.data.path = str(_marker_pairs(tmp_path / "train.jsonl", 64, 0))
+    cfg.data.eval_path = str(_marker_pairs(tmp_path / "eval.jsonl", 16, 1))
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    cfg.data.max_length = 32
+    cfg.train.objective, cfg.train.precision, cfg.train.max_steps = objective, "fp32", steps
+    cfg.train.micro_batch_size, cfg.train.grad_accum = 4, 2
+    cfg.optim.lr, cfg.optim.warmup_steps = 2e-2, 0
+    cfg.output.dir = str(tmp_path / out)
+    return cfg.validate()
+
+
+def _policy_accuracy(result, cfg) -> tuple[float, float]:
+    """The share of held-out pairs whose chosen answer the base, then the trained model, finds more likely."""
+    from qshard.adapters import adapters_disabled
+    from qshard.data import load_datasets
+    from qshard.demo_tokenizer import build_demo_tokenizer
+
+    _, held_out = load_datasets(cfg, build_demo_tokenizer())
+    trainer = result.trainer
+    batch = trainer._to_device(trainer.objective.collate(list(held_out), trainer.pad_id))
+    model = result.model.eval()
+    with torch.no_grad():
+        with adapters_disabled(model):
+            base, _ = trainer.objective.sequence_logps(model, batch)
+        trained, _ = trainer.objective.sequence_logps(model, batch)
+    n = len(held_out)
+    return tuple(float((x[:n] > x[n:]).float().mean()) for x in (base, trained))
+
+
+def test_dpo_learns_the_preference_with_its_metrics(tiny_models, tmp_path, dist_env, monkeypatch):
+    import json
+
+    from qshard.train import run as run_mod
+
+    kept = {}
+    build = run_mod._build
+    monkeypatch.setattr(run_mod, "_build", lambda *a, **k: kept.setdefault("run", build(*a, **k)))
+    cfg = _pref_config(tiny_models("llama"), tmp_path)
+    result = run_mod.train(cfg, dist_env)
+    result.trainer = kept["run"].trainer
+    records = [json.loads(line) for line in (result.out / "metrics.jsonl").read_text().splitlines()]
+    keys = {"rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
+            "logps_rejected"}
+    assert all(keys | {"pairs", "loss"} <= r.keys() for r in records)
+    assert {f"eval_{k}" for k in keys} <= records[-1].keys() and "eval_ppl" not in records[-1]
+    assert records[0]["pairs"] == 8 and records[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy = ref
+    before, after = _policy_accuracy(result, cfg)
+    assert 0.2 <= before <= 0.8 and after > 0.9, (before, after)
+    assert records[-1]["eval_rewards_accuracy"] > 0.9 and records[-1]["eval_rewards_margin"] > 0
+    assert result.summary["eval_rewards_accuracy_end"] == records[-1]["eval_rewards_accuracy"]

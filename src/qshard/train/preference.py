@@ -20,9 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+from qshard.adapters import adapters_disabled
 from qshard.config import DEFAULT_BETA, REFERENCE_OBJECTIVES, Config
+from qshard.data.preference import collate_pairs
 
 
 @dataclass(frozen=True)
@@ -191,3 +194,54 @@ def finish_metrics(names: tuple[str, ...], sums: list[float]) -> dict[str, float
     if "rewards_margin" not in out:
         out["rewards_margin"] = out["rewards_chosen"] - out["rewards_rejected"]
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer's view: a micro-batch of pairs in, (summed loss, metric sums) out.
+
+
+class PreferenceLoss:
+    """train.objective's preference method over collated pairs (data.preference.collate_pairs): one policy
+    forward over chosen and rejected together through the head loss's per-token log-probs (chunked where the
+    architecture allows), and before it the reference's, without gradient and with the adapters switched off,
+    for the methods that have one. Normalized by the global batch's pairs (KTO: examples)."""
+
+    collate = staticmethod(collate_pairs)
+
+    def __init__(self, cfg: Config, head) -> None:
+        self.objective = build_objective(cfg)
+        self.metrics = self.objective.metrics
+        self.head = head
+        self.unit = "examples" if cfg.train.objective == "kto" else "pairs"
+        self.units = _rows if cfg.train.objective == "kto" else _pairs
+        self.reference = self._reference if self.objective.needs_reference else _no_reference
+
+    def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's summed and per-token mean log-prob of its trained tokens."""
+        token = self.head.token_logps(model, batch)
+        sums = token.new_zeros(batch["input_ids"].shape[0]).index_add(0, batch["loss_rows"], token)
+        return sums, sums / batch["row_tokens"]
+
+    def _reference(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad(), adapters_disabled(model):
+            return self.sequence_logps(model, batch)[0]
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        reference = self.reference(model, batch)
+        sums, means = self.sequence_logps(model, batch)
+        chosen, rejected = batch["chosen_rows"], batch["rejected_rows"]
+        pick = lambda t: (None, None) if t is None else (t.index_select(0, chosen), t.index_select(0, rejected))  # noqa: E731
+        logps = PairLogps(*pick(sums), *pick(means), *pick(reference))
+        return self.objective(logps)
+
+
+def _no_reference(_model: nn.Module, _batch: dict[str, torch.Tensor]) -> None:
+    return None
+
+
+def _pairs(batch: dict[str, torch.Tensor]) -> int:
+    return len(batch["chosen_rows"])
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> int:
+    return len(batch["chosen_rows"]) + len(batch["rejected_rows"])

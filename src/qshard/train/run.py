@@ -280,7 +280,9 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume, prompts:
     tokenizer = inputs.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = Trainer(cfg, env, model, inputs.train, inputs.eval, pad_id)  # checks the data fills a batch
-    trainer.samples = build_samples(cfg, prompts, tokenizer, inputs.eval, inputs.exported.generation.get(
+    # Preference pairs sample the prompt of each pair's first completion.
+    held_out = inputs.eval.completions() if hasattr(inputs.eval, "completions") else inputs.eval
+    trainer.samples = build_samples(cfg, prompts, tokenizer, held_out, inputs.exported.generation.get(
         "eos_token_id", []), pad_id, plain_text_run(cfg.data))
     trainer.checkpoint_meta = {
         "base_model": base_model_name(cfg),
@@ -362,8 +364,7 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
         _write_json_atomic(out / "summary.json", summary)
         first, last = fit.first, fit.last
         if first is not None and last is not None:
-            log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
-                     first.loss, last.loss, first.perplexity, last.perplexity)
+            log.info("held-out loss %s -> %s", first.describe(), last.describe())
         log.info("finished %d steps in %.1f s; results in %s (draw them: qshard plot %s)", _last_step(run, fit),
                  summary["elapsed_s"], out, out)
     dist.barrier()
@@ -411,6 +412,7 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
     records, first, last = fit.records, fit.first, fit.last
     return {
         "train_type": cfg.train.train_type,
+        "objective": cfg.train.objective,
         "world_size": env.world_size,
         "steps": run.trainer.total_steps,
         "resumed_from_step": run.start_step or None,
@@ -420,6 +422,8 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
         "eval_loss_end": last.loss if last else None,
         "eval_ppl_start": first.perplexity if first else None,
         "eval_ppl_end": last.perplexity if last else None,
+        # A preference objective's held-out metrics after training (eval_rewards_accuracy, ...).
+        **({f"eval_{k}_end": v for k, v in last.metrics.items()} if last else {}),
         "elapsed_s": time.perf_counter() - started,
         "adapter": "adapter" if run.report.adapted else None,
         "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), _last_step(run, fit))),
