@@ -3,10 +3,13 @@ range checks, the reference as the base with adapters off, preference data, and 
 
 from __future__ import annotations
 
+import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import LogLines
 
 from qshard.config import Config
 from qshard.train import preference as pref
@@ -205,6 +208,24 @@ def test_reference_is_the_base_with_adapters_off(train_type, tiny_models, dist_e
     assert (adapted - reference).abs().max() > 0.1  # the adapters matter, and were switched off
     assert torch.equal(again, adapted) and all(layer.adapter_enabled for layer in layers)
 
+    # The per-token log-probs the objectives use: chunked over the head as the full logits give them, gradients too.
+    from qshard.train.loss import ChunkedLoss, FullLogitsLoss, loss_positions
+
+    labels = ids.clone()
+    labels[:, :5] = -100
+    batch = {"input_ids": ids, "labels": labels, "loss_positions": loss_positions(labels)}
+    results = []
+    for head in (FullLogitsLoss(), ChunkedLoss(model, chunk_tokens=7)):
+        model.zero_grad()
+        logps = head.token_logps(model, batch)
+        (logps * torch.linspace(0.5, 2, len(logps))).sum().backward()
+        results.append((logps.detach(), [layer.lora_A.grad.clone() for layer in layers]))
+    (full, full_grads), (chunked, chunked_grads) = results
+    assert full.shape == (2 * 11,) and (full < 0).all()  # tokens 6..16 of each row are next tokens trained
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+    for a, b in zip(chunked_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
 
 # --------------------------------------------------------------------------------------------------- data
 
@@ -345,8 +366,17 @@ def test_dpo_learns_the_preference_with_its_metrics(tiny_models, tmp_path, dist_
     build = run_mod._build
     monkeypatch.setattr(run_mod, "_build", lambda *a, **k: kept.setdefault("run", build(*a, **k)))
     cfg = _pref_config(tiny_models("llama"), tmp_path)
-    result = run_mod.train(cfg, dist_env)
+    lines = LogLines()
+    logger = logging.getLogger("qshard")
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    logger.addHandler(lines)
+    try:
+        result = run_mod.train(cfg, dist_env)
+    finally:
+        logger.removeHandler(lines)
     result.trainer = kept["run"].trainer
+    step_lines = [line for line in lines.lines if line.startswith("step 8/8")]
+    assert step_lines and all(f in step_lines[0] for f in (" | margin ", " | acc ", "held-out loss", "held-out acc"))
     records = [json.loads(line) for line in (result.out / "metrics.jsonl").read_text().splitlines()]
     keys = {"rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
             "logps_rejected"}
@@ -357,3 +387,69 @@ def test_dpo_learns_the_preference_with_its_metrics(tiny_models, tmp_path, dist_
     assert 0.2 <= before <= 0.8 and after > 0.9, (before, after)
     assert records[-1]["eval_rewards_accuracy"] > 0.9 and records[-1]["eval_rewards_margin"] > 0
     assert result.summary["eval_rewards_accuracy_end"] == records[-1]["eval_rewards_accuracy"]
+
+
+def test_world_size_2_and_a_resumed_run_match_one_uninterrupted_run(tiny_models, tmp_path):
+    """DPO over the same global batch: 1 rank x 2 micro-batches, 2 ranks x 1 (real processes, gloo), and the
+    first run resumed from its step-2 checkpoint give the same losses and metrics, step by step."""
+    import json
+    import shutil
+
+    from conftest import run_on_ranks
+
+    from qshard.checkpoint import step_dir
+    from qshard.cli import main
+
+    cfg = _pref_config(tiny_models("llama"), tmp_path, steps=4)
+
+    def args(out, *extra):
+        return ["train", "--model", cfg.model.path, "--data", cfg.data.path, "--eval-data", cfg.data.eval_path,
+                "--data.cache_dir", cfg.data.cache_dir, "--output-dir", str(tmp_path / out), "--train.objective",
+                "dpo", "--max-steps", "4", "--batch-size", "4", "--train.precision", "fp32", "--data.max_length",
+                "32", "--lr", "2e-2", "--optim.warmup_steps", "0", "--train.eval_every", "2", *extra]
+
+    def records(out):
+        return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+    assert main(args("one", "--grad-accum", "2", "--save-every", "2", "--checkpoint.keep_last", "3")) == 0
+    shutil.copytree(tmp_path / "one", tmp_path / "resumed")
+    shutil.rmtree(step_dir(tmp_path / "resumed" / "checkpoints", 4))
+    (tmp_path / "resumed" / "summary.json").unlink()
+    assert main(args("resumed", "--grad-accum", "2", "--resume", "auto")) == 0
+    ranks = run_on_ranks({"two": args("two", "--grad-accum", "1")})["two"]
+    assert all(run.code == 0 for run in ranks), ranks[0].stderr
+    one, resumed, two = records("one"), records("resumed"), records("two")
+    fields = ["loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected",
+              "eval_loss", "eval_rewards_margin", "eval_rewards_accuracy"]
+    assert [r["step"] for r in one] == [r["step"] for r in resumed] == [r["step"] for r in two] == [1, 2, 3, 4]
+    assert [[r.get(f) for f in fields] for r in resumed] == [[r.get(f) for f in fields] for r in one]  # bit for bit
+    for a, b in zip(one, two, strict=True):
+        torch.testing.assert_close([b.get(f) for f in fields], [a.get(f) for f in fields], rtol=1e-5, atol=1e-5)
+    assert one[-1]["rewards_margin"] > one[0]["rewards_margin"]  # it trained
+
+
+@pytest.mark.parametrize("objective, first_loss, own", [
+    ("ipo", (0 - 1 / (2 * 0.1)) ** 2, ()),  # policy = reference: h = 0
+    ("kto", 0.5, ("kl",)),  # 1 - sigmoid(0) for every example
+    ("orpo", None, ("nll_loss", "log_odds_ratio")),
+    ("simpo", None, ()),
+])
+def test_each_objective_trains_through_the_loop(objective, first_loss, own, tiny_models, tmp_path, dist_env):
+    import json
+
+    from qshard.train.run import train
+
+    cfg = _pref_config(tiny_models("llama"), tmp_path, objective=objective, steps=2)
+    if objective == "kto":  # each pair as two unpaired examples, one desirable and one not
+        for name in ("path", "eval_path"):
+            pairs = [json.loads(x) for x in Path(getattr(cfg.data, name)).read_text().splitlines()]
+            kto = [{"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"}
+                   for p in pairs for key in ("chosen", "rejected")]
+            setattr(cfg.data, name, str(_write_jsonl(tmp_path / f"kto-{name}.jsonl", kto)))
+    result = train(cfg, dist_env)
+    records = [json.loads(line) for line in (result.out / "metrics.jsonl").read_text().splitlines()]
+    unit = "examples" if objective == "kto" else "pairs"
+    assert [r[unit] for r in records] == [8, 8] and all(math.isfinite(r["loss"]) for r in records)
+    assert {"rewards_chosen", "rewards_margin", *own, *(f"eval_{k}" for k in own)} <= records[-1].keys()
+    if first_loss is not None:
+        assert records[0]["loss"] == pytest.approx(first_loss, rel=1e-5)
