@@ -12,6 +12,7 @@ import torch
 from conftest import LogLines
 
 from qshard.config import Config
+from qshard.errors import QShardError
 from qshard.train import preference as pref
 
 
@@ -453,3 +454,41 @@ def test_each_objective_trains_through_the_loop(objective, first_loss, own, tiny
     assert {"rewards_chosen", "rewards_margin", *own, *(f"eval_{k}" for k in own)} <= records[-1].keys()
     if first_loss is not None:
         assert records[0]["loss"] == pytest.approx(first_loss, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------- precomputed reference, init adapter
+
+
+def test_precomputed_reference_and_continuing_an_adapter(tiny_models, tmp_path, dist_env):
+    """pref.precompute_reference trains as the per-step reference does, from log-probs kept in the data cache; a
+    run continuing that run's adapter (train.init_adapter) starts from it, with it as the reference."""
+    import json
+
+    from qshard.train.run import train
+
+    def records(result):
+        return [json.loads(line) for line in (result.out / "metrics.jsonl").read_text().splitlines()]
+
+    model_dir = tiny_models("llama")
+    each_step = records(train(_pref_config(model_dir, tmp_path, "each", steps=4), dist_env))
+    cfg = _pref_config(model_dir, tmp_path, "pre", steps=4)
+    cfg.pref.precompute_reference = True
+    first = train(cfg, dist_env)
+    kept = sorted(Path(cfg.data.cache_dir).glob("*/reference-*.npy"))
+    assert len(kept) == 2  # the training and the held-out file's stores
+    stamps = [p.stat().st_mtime_ns for p in kept]
+    for a, b in zip(records(first), each_step, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["pairs"] == b["pairs"]
+        assert a["rewards_margin"] == pytest.approx(b["rewards_margin"], rel=1e-3, abs=1e-5)
+
+    cfg = _pref_config(model_dir, tmp_path, "continued", steps=2)
+    cfg.pref.precompute_reference, cfg.train.init_adapter = True, str(first.out)
+    continued = records(train(cfg.validate(), dist_env))
+    assert continued[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the policy starts as its reference
+    assert continued[0]["logps_chosen"] != pytest.approx(each_step[0]["logps_chosen"], rel=1e-3)  # the adapter's
+    assert len(sorted(Path(cfg.data.cache_dir).glob("*/reference-*.npy"))) == 4  # another reference, beside
+    assert [p.stat().st_mtime_ns for p in kept] == stamps  # the first one's, read back unchanged
+
+    cfg.lora.rank, cfg.output.dir = 4, str(tmp_path / "other-rank")
+    with pytest.raises(QShardError, match=r"train.init_adapter: .*adapter was trained with lora.rank 8, this run has"):
+        train(cfg.validate(), dist_env)

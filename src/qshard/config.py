@@ -226,6 +226,9 @@ class TrainConfig:
     # What the loss trains: sft (next-token cross-entropy), or a preference method on preference data (pref.*):
     # dpo, ipo, kto (against the base with the adapters switched off as reference), orpo, simpo (reference-free).
     objective: Objective = "sft"
+    # Continue training this PEFT adapter (a run directory, or its adapter/ directory) instead of new adapters; with
+    # a reference objective the reference is the base with this adapter as it starts (precomputed before training).
+    init_adapter: str | None = None
 
 
 @dataclass
@@ -413,6 +416,8 @@ class Config:
             if getattr(p, name) != getattr(PrefConfig, name) and objective not in objectives:
                 raise QShardError(f"pref.{name}: applies to train.objective {' or '.join(objectives)}, "
                                   f"not {objective}")
+        if self.train.init_adapter and self.train.train_type in ADAPTERLESS_TRAIN_TYPES:
+            raise QShardError(f"train.init_adapter: train.train_type {self.train.train_type} trains no adapters")
         if objective == "sft":
             if p.beta is not None or p.max_prompt_length is not None:
                 name = "beta" if p.beta is not None else "max_prompt_length"
@@ -426,6 +431,9 @@ class Config:
         if self.train.train_type in ADAPTERLESS_TRAIN_TYPES and objective in REFERENCE_OBJECTIVES:
             raise QShardError(f"train.objective: {objective} takes its reference from the base with the adapters "
                               f"switched off, and train.train_type {self.train.train_type} trains no adapters")
+        if self.train.init_adapter and objective in REFERENCE_OBJECTIVES and not p.precompute_reference:
+            raise QShardError(f"train.init_adapter: train.objective {objective}'s reference is then the base with that "
+                              "adapter as it starts, computed once before training: set pref.precompute_reference true")
         if self.lora.modules_to_save and objective in REFERENCE_OBJECTIVES:
             raise QShardError(f"lora.modules_to_save: train.objective {objective}'s reference is the base with the "
                               "adapters switched off, which modules trained in full would change")

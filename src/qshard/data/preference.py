@@ -17,7 +17,7 @@ So the data pipeline (sources, weights, the held-out split, caching) handles pai
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -163,6 +163,15 @@ def _row(prompt: list[int], completion: list[int]) -> tuple[np.ndarray, np.ndarr
 # ---------------------------------------------------------------------------------------------------- views
 
 
+class Pair(NamedTuple):
+    """A record's two rows (KTO: one of them empty), with their precomputed reference log-probs where there are."""
+
+    chosen: Example
+    rejected: Example
+    ref_chosen: float | None = None
+    ref_rejected: float | None = None
+
+
 class PairView(Sequence):
     """Pairs read from stores of rows, two rows a pair: (chosen, rejected), or KTO's (desirable, undesirable) with
     one of the two empty. Selects, repeats and joins as ExampleView does, pair by pair."""
@@ -174,8 +183,13 @@ class PairView(Sequence):
     def __len__(self) -> int:
         return len(self.rows) // 2
 
-    def __getitem__(self, i: int) -> tuple[Example, Example]:
-        return self.rows[2 * i], self.rows[2 * i + 1]
+    def __getitem__(self, i: int) -> Pair:
+        return Pair(self.rows[2 * i], self.rows[2 * i + 1], self._reference(2 * i), self._reference(2 * i + 1))
+
+    def _reference(self, row: int) -> float | None:
+        store, j = self.rows.refs[row]
+        reference = self.rows.stores[store].reference
+        return None if reference is None else float(reference[j])
 
     def lengths(self) -> np.ndarray:
         return self.rows.lengths().reshape(-1, 2).sum(axis=1)
@@ -194,13 +208,17 @@ class PairView(Sequence):
         return self.rows.subset(2 * np.arange(len(self)) + (lengths[:, 0] == 0))
 
 
-def collate_pairs(pairs: list[tuple[Example, Example]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tensor]:
     """One batch for one forward: every pair's chosen row, then every rejected one (KTO's empty rows left out),
     with the batch rows of each (`chosen_rows`, `rejected_rows`), the row of each trained position (`loss_rows`,
-    in `loss_positions` order) and each row's trained-token count (`row_tokens`)."""
-    chosen = [c for c, _ in pairs if c.input_ids]
-    rejected = [r for _, r in pairs if r.input_ids]
-    batch = collate(chosen + rejected, pad_id)
+    in `loss_positions` order), each row's trained-token count (`row_tokens`), and where they were precomputed,
+    each row's reference log-prob (`ref_logps`)."""
+    chosen = [p for p in pairs if p.chosen.input_ids]
+    rejected = [p for p in pairs if p.rejected.input_ids]
+    batch = collate([p.chosen for p in chosen] + [p.rejected for p in rejected], pad_id)
+    if pairs[0].ref_chosen is not None:
+        references = [p.ref_chosen for p in chosen] + [p.ref_rejected for p in rejected]
+        batch["ref_logps"] = torch.tensor(references, dtype=torch.float32)
     trained = batch["labels"][:, 1:] != IGNORE_INDEX
     batch["loss_rows"] = trained.flatten().nonzero().squeeze(1) // trained.shape[1]
     batch["row_tokens"] = trained.sum(dim=1).clamp(min=1).float()

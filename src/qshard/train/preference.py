@@ -214,7 +214,8 @@ class PreferenceLoss:
         self.head = head
         self.unit = "examples" if cfg.train.objective == "kto" else "pairs"
         self.units = _rows if cfg.train.objective == "kto" else _pairs
-        self.reference = self._reference if self.objective.needs_reference else _no_reference
+        self.reference = (_no_reference if not self.objective.needs_reference
+                          else _precomputed if cfg.pref.precompute_reference else self._reference)
 
     def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's summed and per-token mean log-prob of its trained tokens."""
@@ -237,6 +238,12 @@ class PreferenceLoss:
 
 def _no_reference(_model: nn.Module, _batch: dict[str, torch.Tensor]) -> None:
     return None
+
+
+def _precomputed(_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """pref.precompute_reference: the rows' reference log-probs, collated with them (train/reference.py)."""
+    assert "ref_logps" in batch, "the reference is precomputed before the trainer collates a batch"
+    return batch["ref_logps"]
 
 
 def _pairs(batch: dict[str, torch.Tensor]) -> int:

@@ -50,6 +50,7 @@ from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 from qshard.train.plan import RunPlan
 from qshard.train.profiler import check_profile_steps
+from qshard.train.reference import load_init_adapter, precompute_reference, reference_key
 from qshard.train.samples import Prompt, build_samples, read_prompts
 from qshard.train.trackers import open_trackers
 
@@ -293,10 +294,23 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume, prompts:
         "vocab_size": model.config.vocab_size,  # the rows its embedding has: export rebuilds the model with them
         "config": cfg.to_dict(),
     }
+    _reference(cfg, trainer, inputs, fingerprint)
     run = _Run(model, report, trainer)
     if resume.path is not None:
         _restore(run, resume, env)
     return run
+
+
+def _reference(cfg: Config, trainer: Trainer, inputs: _Inputs, fingerprint: str) -> None:
+    """train.init_adapter's weights into the adapters, and pref.precompute_reference's log-probs, computed while
+    the model is the reference still (before a resumed checkpoint is loaded)."""
+    if cfg.train.init_adapter:
+        adapter = load_init_adapter(cfg, trainer.model)
+        if trainer.env.is_main:
+            log.info("continuing the adapter %s (train.init_adapter)", adapter)
+    if cfg.pref.precompute_reference:
+        key = reference_key(cfg, fingerprint)
+        precompute_reference(trainer, [inputs.train, inputs.eval], key, adapters_off=not cfg.train.init_adapter)
 
 
 def _print_plan(cfg: Config, env: DistEnv, out: Path, inputs: _Inputs, resume: _Resume) -> None:
