@@ -139,9 +139,13 @@ def test_objectives_are_chosen_once_with_their_defaults():
     cfg.train.objective, cfg.pref.beta, cfg.pref.length_normalization = "dpo", 0.5, True
     objective = pref.build_objective(cfg.validate())
     assert objective.beta == 0.5 and objective.needs_reference and objective.length_normalized
-    logps = pref.PairLogps(torch.tensor([-1.0, -4.0]), torch.tensor([-2.0, -1.0]), torch.tensor([-0.5, -1.0]),
-                           torch.tensor([-1.0, -0.5]), torch.tensor([-2.0, -2.0]), torch.tensor([-2.0, -2.0]))
+    t = torch.tensor
+    logps = pref.PairLogps(t([-1.0, -4.0]), t([-2.0, -1.0]), t([-0.5, -1.0]), t([-1.0, -0.5]), t([-2.0, -2.0]),
+                           t([-2.0, -2.0]), t([-0.6, -0.6]), t([-0.7, -0.7]))
     loss, sums = objective(logps)
+    # Means compared with means: the reference's too.
+    torch.testing.assert_close(loss, pref.dpo_loss(t([-0.5, -1.0]), t([-1.0, -0.5]), t([-0.6, -0.6]),
+                                                   t([-0.7, -0.7]), 0.5)[0].sum())
     metrics = pref.finish_metrics(objective.metrics, sums.tolist())
     assert metrics["rewards_accuracy"] == 0.5  # mean log-probs compared: pair 1 prefers chosen, pair 2 not
     assert metrics["logps_chosen"] == -2.5  # summed log-probs reported, whatever the loss compares
@@ -427,6 +431,10 @@ def test_world_size_2_and_a_resumed_run_match_one_uninterrupted_run(tiny_models,
     for a, b in zip(one, two, strict=True):
         torch.testing.assert_close([b.get(f) for f in fields], [a.get(f) for f in fields], rtol=1e-5, atol=1e-5)
     assert one[-1]["rewards_margin"] > one[0]["rewards_margin"]  # it trained
+    # Exported and usable as an SFT run's: the PEFT adapter, and qshard generate on the run.
+    assert (tmp_path / "one" / "adapter" / "adapter_model.safetensors").is_file()
+    assert main(["generate", "--run", str(tmp_path / "one"), "--prompt", "Reverse the letters.", "--max-new-tokens",
+                 "3"]) == 0
 
 
 @pytest.mark.parametrize("objective, first_loss, own", [

@@ -342,7 +342,7 @@ class Trainer:
 
     def _eval_batch(self, real: list[int], size: int) -> dict[str, torch.Tensor]:
         """Held-out examples `real` collated; a token objective's batch padded to `size` with zero-weight repeats."""
-        if self.cfg.train.objective != "sft":
+        if not isinstance(self.objective, TokenObjective):  # pairs have no tokens to mask: padding is left out
             return self._collate(real or [0], self.eval_examples)
         batch = self._collate(real + [0] * (size - len(real)), self.eval_examples)
         batch["labels"][len(real) :] = IGNORE_INDEX  # padding examples contribute no tokens

@@ -39,6 +39,8 @@ class PairLogps:
     rejected_mean: torch.Tensor
     ref_chosen: torch.Tensor | None = None
     ref_rejected: torch.Tensor | None = None
+    ref_chosen_mean: torch.Tensor | None = None
+    ref_rejected_mean: torch.Tensor | None = None
 
 
 def dpo_loss(pc, pr, rc, rr, beta: float, label_smoothing: float = 0.0):
@@ -120,8 +122,12 @@ class Objective:
         self.p = cfg.pref
         self.beta = cfg.pref.beta if cfg.pref.beta is not None else DEFAULT_BETA[cfg.train.objective]
 
-    def policy_pair(self, logps: PairLogps):
-        return (logps.chosen_mean, logps.rejected_mean) if self.length_normalized else (logps.chosen, logps.rejected)
+    def compared(self, logps: PairLogps):
+        """(policy chosen, policy rejected, reference chosen, reference rejected): per-token means where the method
+        normalizes by length, sums otherwise."""
+        if self.length_normalized:
+            return logps.chosen_mean, logps.rejected_mean, logps.ref_chosen_mean, logps.ref_rejected_mean
+        return logps.chosen, logps.rejected, logps.ref_chosen, logps.ref_rejected
 
 
 class DPO(Objective):
@@ -130,16 +136,13 @@ class DPO(Objective):
         self.length_normalized = bool(cfg.pref.length_normalization)
 
     def __call__(self, logps: PairLogps):
-        pc, pr = self.policy_pair(logps)
-        losses, chosen, rejected = dpo_loss(pc, pr, logps.ref_chosen, logps.ref_rejected, self.beta,
-                                            self.p.label_smoothing)
+        losses, chosen, rejected = dpo_loss(*self.compared(logps), self.beta, self.p.label_smoothing)
         return _pair_sums(losses, chosen, rejected, logps)
 
 
 class IPO(DPO):
     def __call__(self, logps: PairLogps):
-        pc, pr = self.policy_pair(logps)
-        losses, chosen, rejected = ipo_loss(pc, pr, logps.ref_chosen, logps.ref_rejected, self.beta)
+        losses, chosen, rejected = ipo_loss(*self.compared(logps), self.beta)
         return _pair_sums(losses, chosen, rejected, logps)
 
 
@@ -230,10 +233,13 @@ class PreferenceLoss:
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         reference = self.reference(model, batch)
         sums, means = self.sequence_logps(model, batch)
+        rows = [sums, means]
+        if reference is not None:
+            rows += [reference, reference / batch["row_tokens"]]
         chosen, rejected = batch["chosen_rows"], batch["rejected_rows"]
-        pick = lambda t: (None, None) if t is None else (t.index_select(0, chosen), t.index_select(0, rejected))  # noqa: E731
-        logps = PairLogps(*pick(sums), *pick(means), *pick(reference))
-        return self.objective(logps)
+        # PairLogps' order: each quantity's chosen rows, then its rejected rows.
+        split = [part for t in rows for part in (t.index_select(0, chosen), t.index_select(0, rejected))]
+        return self.objective(PairLogps(*split[:4], *split[4:6], *split[6:]))
 
 
 def _no_reference(_model: nn.Module, _batch: dict[str, torch.Tensor]) -> None:
