@@ -94,6 +94,12 @@ COMPANIONS = {
     "train.early_stopping_min_delta": {"train.eval_every": "2", "train.early_stopping_patience": "2"},
     "checkpoint.keep_best": {"train.eval_every": "2"},
     "output.adapter_from": {"train.eval_every": "2", "checkpoint.keep_best": "true"},
+    **{f"pref.{name}": {"train.objective": "dpo"} for name in ("beta", "label_smoothing", "length_normalization",
+                                                                "max_prompt_length", "precompute_reference")},
+    "pref.orpo_lambda": {"train.objective": "orpo"},
+    "pref.simpo_gamma": {"train.objective": "simpo"},
+    "pref.kto_desirable_weight": {"train.objective": "kto"},
+    "pref.kto_undesirable_weight": {"train.objective": "kto"},
 }
 
 

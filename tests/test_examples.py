@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "llama3.1-70b-2x24gb.yaml": "llama",
     "llama3.1-70b-8gpu.yaml": "llama",
     "continued-pretraining.yaml": "llama",
+    "llama3.1-8b-dpo.yaml": "llama",
 }
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
            "mixtral": "MixtralForCausalLM"}
@@ -51,6 +52,8 @@ def _record(fmt: str, i: int, words: int) -> dict:
         return {"conversations": [{"from": "human", "value": f"add {i} and 3"}, {"from": "gpt", "value": text}]}
     if fmt == "text":
         return {"text": text}
+    if fmt == "preference":
+        return {"prompt": f"add {i} and 3", "chosen": text, "rejected": f"{text} no"}
     return {"instruction": f"add {i} and 3", "input": "", "output": text}
 
 
@@ -84,6 +87,8 @@ def _data_args(example: dict, data_files) -> list[str]:
     data = example.get("data") or {}
     long = bool(data.get("packing"))
     default = data.get("format", "auto")
+    if example["train"].get("objective", "sft") != "sft":  # preference records: pairs (no example uses KTO's)
+        default = "preference"
     args = []
     if data.get("path"):
         fmt = default if default != "auto" else "instruction"
@@ -143,7 +148,7 @@ def test_example_dry_run(name, tiny_models, data_files, tmp_path, monkeypatch, c
         assert (flag in plan["parallel"].split(", ")) == bool(parallel.get(flag)), (flag, plan["parallel"])
     global_batch = train.get("micro_batch_size", 1) * train.get("grad_accum", 1) * world
     assert f"x {world} rank(s) = {global_batch} " in plan["batch"]
-    assert re.match(r"[\d,]+ training (examples|sequences)", plan["data"])
+    assert re.match(r"[\d,]+ training (examples|sequences|pairs)", plan["data"])
     assert ("packing on" in plan["data"]) == bool(example["data"].get("packing"))
     assert re.match(r"[\d,]+ optimizer steps \(", plan["steps"])
     assert plan["output"] == example["output"]["dir"]

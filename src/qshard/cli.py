@@ -42,6 +42,7 @@ SHORTCUTS = {
     "--resume": "checkpoint.resume",
     "--save-every": "checkpoint.every_steps",
     "--report-to": "output.trackers",
+    "--init-adapter": "train.init_adapter",
 }
 
 

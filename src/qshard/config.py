@@ -30,6 +30,9 @@ Schedule = Literal["constant", "linear", "cosine"]
 DataFormat = Literal["auto", "instruction", "chat", "sharegpt", "text"]
 Precision = Literal["fp32", "bf16", "bf16_mixed", "fp16_mixed"]
 Sharding = Literal["full", "grad_op", "none", "hybrid"]
+Objective = Literal["sft", "dpo", "ipo", "orpo", "simpo", "kto"]
+# Objectives that compare policy log-probs with a reference model's (the base with its adapters switched off).
+REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 # The longest collective timeout accepted (a year): far beyond any wait that could end well.
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
@@ -220,6 +223,12 @@ class TrainConfig:
     sample_prompts: str | list[str] | None = None
     # Each sample ends at an end-of-turn token or after this many tokens.
     sample_max_new_tokens: int = 128
+    # What the loss trains: sft (next-token cross-entropy), or a preference method on preference data (pref.*):
+    # dpo, ipo, kto (against the base with the adapters switched off as reference), orpo, simpo (reference-free).
+    objective: Objective = "sft"
+    # Continue training this PEFT adapter (a run directory, or its adapter/ directory) instead of new adapters; with
+    # a reference objective the reference is the base with this adapter as it starts (precomputed before training).
+    init_adapter: str | None = None
 
 
 @dataclass
@@ -295,6 +304,35 @@ class OutputConfig:
     adapter_from: Literal["last", "best"] = "last"
 
 
+# pref.beta's default per objective: the papers' (SimPO's beta is on length-normalized log-probs, so larger).
+DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "kto": 0.1, "orpo": 0.1, "simpo": 2.0}
+
+
+@dataclass
+class PrefConfig:
+    # The preference objectives' parameters (train.objective); each applies only to the methods named.
+    # beta: dpo/kto's inverse temperature on the log-ratio to the reference, ipo's tau, simpo's beta, orpo's
+    # reward scale in its logged rewards; empty: the method's default (DEFAULT_BETA).
+    beta: float | None = None
+    # dpo: conservative DPO's probability that a pair's label is flipped, in [0, 0.5].
+    label_smoothing: float = 0.0
+    # orpo: the weight of the odds-ratio term beside the chosen answer's mean negative log-likelihood.
+    orpo_lambda: float = 0.1
+    # simpo: the target reward margin gamma.
+    simpo_gamma: float = 0.5
+    # Compare per-token mean log-probs instead of summed ones (dpo, ipo); empty: the method's own rule (simpo and
+    # orpo always normalize, dpo, ipo and kto do not).
+    length_normalization: bool | None = None
+    # kto: the weights of desirable and undesirable examples' losses (balance them by their counts).
+    kto_desirable_weight: float = 1.0
+    kto_undesirable_weight: float = 1.0
+    # Prompt tokens kept (the last ones, after the bos) before the completions are cut to data.max_length;
+    # empty: the prompt is cut only as far as data.max_length needs.
+    max_prompt_length: int | None = None
+    # Compute the reference log-probs once, before training, and keep them with the tokenized data.
+    precompute_reference: bool = False
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -306,6 +344,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -355,7 +394,54 @@ class Config:
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         self._validate_new_tokens()
         self._validate_best()
+        self._validate_pref()
         return self
+
+    def _validate_pref(self) -> None:
+        """pref.* in range, and set only where train.objective uses it; preference data is not packed."""
+        p, objective = self.pref, self.train.objective
+        if p.beta is not None:
+            _positive("pref.beta", p.beta)
+        _in_range("pref.label_smoothing", p.label_smoothing, 0.0, 0.5)
+        _non_negative("pref.orpo_lambda", p.orpo_lambda)
+        _non_negative("pref.simpo_gamma", p.simpo_gamma)
+        _non_negative("pref.kto_desirable_weight", p.kto_desirable_weight)
+        _non_negative("pref.kto_undesirable_weight", p.kto_undesirable_weight)
+        if p.kto_desirable_weight == 0 and p.kto_undesirable_weight == 0:
+            raise QShardError("pref.kto_desirable_weight, pref.kto_undesirable_weight: both 0 leaves no loss")
+        if p.max_prompt_length is not None:
+            _positive("pref.max_prompt_length", p.max_prompt_length)
+            if p.max_prompt_length >= self.data.max_length:
+                raise QShardError(f"pref.max_prompt_length must be below data.max_length ({self.data.max_length}), "
+                                  f"so that the completions keep a token, got {p.max_prompt_length}")
+        own = {"label_smoothing": ("dpo",), "orpo_lambda": ("orpo",), "simpo_gamma": ("simpo",),
+               "length_normalization": ("dpo", "ipo"), "kto_desirable_weight": ("kto",),
+               "kto_undesirable_weight": ("kto",), "precompute_reference": REFERENCE_OBJECTIVES}
+        for name, objectives in own.items():
+            if getattr(p, name) != getattr(PrefConfig, name) and objective not in objectives:
+                raise QShardError(f"pref.{name}: applies to train.objective {' or '.join(objectives)}, "
+                                  f"not {objective}")
+        if self.train.init_adapter and self.train.train_type in ADAPTERLESS_TRAIN_TYPES:
+            raise QShardError(f"train.init_adapter: train.train_type {self.train.train_type} trains no adapters")
+        if objective == "sft":
+            if p.beta is not None or p.max_prompt_length is not None:
+                name = "beta" if p.beta is not None else "max_prompt_length"
+                raise QShardError(f"pref.{name}: applies to a preference train.objective, not sft")
+            return
+        if self.data.packing:
+            raise QShardError(f"data.packing: train.objective {objective} compares whole sequences; use packing false")
+        if self.data.format != "auto" or any(s.format != "auto" for s in self.data.sources or []):
+            raise QShardError(f"data.format: train.objective {objective} reads preference records "
+                              "({prompt, chosen, rejected} or kto's {prompt, completion, label}); leave it auto")
+        if self.train.train_type in ADAPTERLESS_TRAIN_TYPES and objective in REFERENCE_OBJECTIVES:
+            raise QShardError(f"train.objective: {objective} takes its reference from the base with the adapters "
+                              f"switched off, and train.train_type {self.train.train_type} trains no adapters")
+        if self.train.init_adapter and objective in REFERENCE_OBJECTIVES and not p.precompute_reference:
+            raise QShardError(f"train.init_adapter: train.objective {objective}'s reference is then the base with that "
+                              "adapter as it starts, computed once before training: set pref.precompute_reference true")
+        if self.lora.modules_to_save and objective in REFERENCE_OBJECTIVES:
+            raise QShardError(f"lora.modules_to_save: train.objective {objective}'s reference is the base with the "
+                              "adapters switched off, which modules trained in full would change")
 
     def _validate_profile_steps(self) -> None:
         """[a, b] with 1 <= a <= b; that b is within the run is checked once the data gives its step count."""

@@ -309,7 +309,7 @@ def _from_adapter(model_arg: str, adapter: Path, overrides: list[tuple[str, str]
     if chat and template is None:
         raise _no_template(f"the tokenizer of {adapter} (or of its base)")
     model, _ = build_model(cfg, env, model_dir, len(tokenizer))
-    _set_adapter(model, params, adapter)
+    set_adapter(model, params, adapter)
     log.info("generating with %s on %s (%s)", adapter, model_arg, cfg.train.train_type)
     ends = _end_ids(adapter, model_dir, tokenizer)
     return Chatbot(model, tokenizer, template, ends, env.device)
@@ -342,7 +342,7 @@ def _end_ids(adapter: Path, model_dir: Path | None, tokenizer) -> list[int]:
     return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
 
-def _set_adapter(model: nn.Module, params: dict[str, torch.Tensor], adapter: Path) -> None:
+def set_adapter(model: nn.Module, params: dict[str, torch.Tensor], adapter: Path) -> None:
     """Copy the adapter's tensors into the model's adapters and trained modules, each checked against the
     parameter it replaces (another base's adapter has other shapes, or names the model lacks)."""
     own = dict(model.named_parameters(remove_duplicate=False))

@@ -87,6 +87,8 @@ class DoRALinear(LoRALinear):
         return torch.linalg.vector_norm(dense_base(self.base, torch.float32) + self.scaling * delta, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapter_enabled:
+            return self.base(x)
         y = self.base(x)
         scale = (self.magnitude.float() / self.weight_norm()).to(x.dtype)
         if self.training and isinstance(self.dropout, nn.Dropout):

@@ -8,7 +8,9 @@ gradients are reduced and stepped in fp32.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -24,6 +26,9 @@ def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
 
 
 class LoRALinear(nn.Module):
+    # False inside `adapters_disabled`: the layer is its base alone (the reference of preference tuning).
+    adapter_enabled = True
+
     def __init__(
         self,
         base: nn.Module,
@@ -73,6 +78,8 @@ class LoRALinear(nn.Module):
         return a, b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapter_enabled:
+            return self.base(x)
         # The scaling rides on B's cast to the compute dtype ([out, r] elements, not the [tokens, r]
         # intermediate): compiled blocks fuse the two into one kernel instead of launching a separate multiply.
         low_rank = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
@@ -80,3 +87,18 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}"
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Every LoRA/DoRA layer of `model` computes its frozen base alone inside the block: the base model's function
+    from the same (sharded, quantized) weights, with no second copy of them. Modules trained in full
+    (lora.modules_to_save) are not adapters and stay as trained."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_enabled = True

@@ -28,6 +28,7 @@ from qshard.data.cache import TokenCache
 from qshard.data.example import Example
 from qshard.data.hf import HubDataset
 from qshard.data.packing import PackedExamples
+from qshard.data.preference import PairView, preference_format
 from qshard.data.records import data_files
 from qshard.data.store import ExampleView, StoreWriter
 from qshard.data.tokenize import Options, encode_source, make_options
@@ -59,20 +60,23 @@ def default_cache_dir() -> Path:
     return Path(base) / "qshard" / "data"
 
 
-def sources_of(data_cfg: Any) -> list[Source]:
-    """`data.path` (if set) and every entry of `data.sources`."""
-    out = [Source(data_cfg.path, 1.0, _options(data_cfg, data_cfg.format))] if data_cfg.path else []
+def sources_of(data_cfg: Any, pref: Any = None) -> list[Source]:
+    """`data.path` (if set) and every entry of `data.sources`; `pref`: (preference format, pref.max_prompt_length)
+    for a preference objective's records."""
+    out = [Source(data_cfg.path, 1.0, _options(data_cfg, data_cfg.format, pref=pref))] if data_cfg.path else []
     for i, s in enumerate(data_cfg.sources or []):
         hub = HubDataset(s.hub, s.split, s.subset, s.revision, f"data.sources[{i}].hub") if s.hub else None
-        out.append(Source(s.path, s.weight, _options(data_cfg, s.format, vars(s.columns)), s.split, hub))
+        out.append(Source(s.path, s.weight, _options(data_cfg, s.format, vars(s.columns), pref), s.split, hub))
     return out
 
 
-def _options(data_cfg: Any, fmt: str, columns: dict[str, str | None] | None = None) -> Options:
+def _options(data_cfg: Any, fmt: str, columns: dict[str, str | None] | None = None, pref: Any = None) -> Options:
+    fmt, max_prompt_length = pref or (fmt, None)
     return make_options(
         data_cfg.max_length,
         fmt,
         columns,
+        max_prompt_length=max_prompt_length,
         chat_template=data_cfg.chat_template,
         train_on=data_cfg.train_on,
         overlong=data_cfg.overlong,
@@ -237,19 +241,23 @@ def load_datasets(
     def load(source: Source) -> ExampleView:
         return tokenized(source, tokenizer, cache, d.num_workers, leader=local_rank == 0, is_main=is_main)
 
-    sources = sources_of(d)
+    fmt = preference_format(cfg.train.objective)
+    pref = (fmt, cfg.pref.max_prompt_length) if fmt else None
+    # A preference store holds two rows per record: read back as pairs, which split, weigh and join as examples do.
+    as_items, concat = (PairView, PairView.concat) if pref else (lambda view: view, ExampleView.concat)
+    sources = sources_of(d, pref)
     train_parts, held_parts = [], []
     for i, source in enumerate(sources):
-        view = load(source)
+        view = as_items(load(source))
         if not d.eval_path and d.eval_fraction > 0:
             view, held = split_held_out(view, d.eval_fraction, cfg.train.seed)
             held_parts.append(held)
         train_parts.append(weighted(view, source.weight, cfg.train.seed + i) if source.weight != 1 else view)
-    train = ExampleView.concat(train_parts)
+    train = concat(train_parts)
     if d.eval_path:
-        held_out = load(Source(d.eval_path, 1.0, _options(d, d.format)))
+        held_out = as_items(load(Source(d.eval_path, 1.0, _options(d, d.format, pref=pref))))
     else:
-        held_out = ExampleView.concat(held_parts)
+        held_out = concat(held_parts)
     if local_rank == 0:
         cache.evict()  # only now: every entry this run uses is open, and so locked against eviction
     if d.packing:

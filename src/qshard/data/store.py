@@ -69,6 +69,9 @@ class TokenStore:
 
     Its files are checked against the metadata's counts first; DamagedStore says what is wrong."""
 
+    # Preference runs with pref.precompute_reference: each row's reference log-prob (train/reference.py).
+    reference: np.ndarray | None = None
+
     def __init__(self, directory: Path, lock: BinaryIO | None = None):
         self.directory, self.lock = directory, lock
         self.meta, self.offsets = _checked(directory)

@@ -18,6 +18,7 @@ import numpy as np
 from qshard.data.example import IGNORE_INDEX, Example
 from qshard.data.formats import FORMATS, detect_format
 from qshard.data.hf import HubDataset
+from qshard.data.preference import PREFERENCE_FORMATS, encode_preference
 from qshard.data.records import BadRecord, bounded, data_files, decode, read_raw
 from qshard.data.templates import Encoder
 from qshard.errors import QShardError
@@ -40,13 +41,15 @@ class Options:
     # A record larger than this (bytes) is a bad record: tokenizing one takes memory many times its size.
     # None: no limit. The default is data.max_record_mb's.
     max_record_bytes: int | None = 16_000_000
+    # Preference records (format preference or kto): the prompt's tokens kept before the completions are cut.
+    max_prompt_length: int | None = None
 
     @property
     def columns_map(self) -> dict[str, str]:
         return dict(self.columns)
 
     def check(self, source: object) -> None:
-        if self.format not in FORMATS:
+        if self.format not in FORMATS + PREFERENCE_FORMATS:
             choices = ", ".join(FORMATS)
             raise QShardError(
                 f"data format option: unknown format {self.format!r} for {source} (expected one of {choices})"
@@ -130,9 +133,12 @@ def _encode_chunk(fmt: str, items: list[tuple[str, Any]]) -> list[tuple]:
 
 
 def _encode_one(encoder: Encoder, opts: Options, fmt: str, where: str, raw: Any) -> tuple:
-    """One outcome: ("ok", ids, labels, truncated) | ("bad", message) | ("overlong",) | ("untrainable",)."""
+    """One outcome: ("ok", ids, labels, truncated) | ("bad", message) | ("overlong",) | ("untrainable",), or
+    a preference record's ("rows", [(ids, labels), (ids, labels)], truncated)."""
     try:
         record = decode(where, raw)
+        if fmt in PREFERENCE_FORMATS:
+            return encode_preference(encoder, opts, fmt, record, where)
         if fmt == "auto":
             fmt = detect_format(record, where, opts.columns_map)
         ids, labels = encoder.encode(record, fmt, where)
@@ -213,6 +219,10 @@ def encode_source(
                 stats.examples += 1
                 stats.truncated += outcome[3]
                 yield outcome[1], outcome[2]
+            elif kind == "rows":  # a preference record: its two rows, always both (data/preference.py)
+                stats.examples += 1
+                stats.truncated += outcome[2]
+                yield from outcome[1]
             elif kind == "bad":
                 if opts.on_bad_record == "error":
                     raise BadRecord(outcome[1])

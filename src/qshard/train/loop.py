@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -12,28 +13,26 @@ import torch.nn as nn
 
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
-from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, collate, for_epoch, input_tokens
+from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, for_epoch, input_tokens
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
 from qshard.precision import precision
 from qshard.train.best import BestLoss
-from qshard.train.loss import build_loss, loss_positions
+from qshard.train.loss import TokenObjective, build_loss, loss_positions
 from qshard.train.metrics import MetricsLog, Progress, device_memory_gib, mfu_per_token_rate, peak_memory_gib
 from qshard.train.nan_policy import NonFiniteError, build_nan_policy
 from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from qshard.train.preference import PreferenceLoss, finish_metrics
 from qshard.train.profiler import profiled
 from qshard.train.samples import Samples
 
 
-def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
-    return len(loss_positions(batch["labels"]))
-
-
 @dataclass
 class IssuedStep:
-    """An optimizer step queued on the device; `totals` (loss sum, stop votes, trained and input tokens, gradient
-    norm, float64) is read when it is finished. `skipped`: its update was left out (train.nan_policy: skip_step)."""
+    """An optimizer step queued on the device; `totals` (loss sum, stop votes, the objective's metric sums and
+    counts, trained units and input tokens, gradient norm, float64) is read when it is finished. `skipped`: its
+    update was left out (train.nan_policy: skip_step)."""
 
     step: int
     start: float
@@ -44,8 +43,9 @@ class IssuedStep:
 
 @dataclass
 class StepInputs:
-    """A global batch's micro-batches on the device, the scale that turns their summed losses into the
-    per-token mean, and the (trained, input) token counts summed over ranks (float64, on the device)."""
+    """A global batch's micro-batches on the device, the scale that turns their summed losses into the mean
+    per trained unit (token, or a preference objective's pair), and the (trained units, input tokens) counts
+    summed over ranks (float64, on the device)."""
 
     batches: list[dict[str, torch.Tensor]]
     scale: torch.Tensor
@@ -64,11 +64,23 @@ class FitResult:
 @dataclass
 class EvalResult:
     loss: float
-    tokens: int
+    tokens: int  # the trained units evaluated: tokens, or a preference objective's pairs
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # a preference objective's
 
     @property
     def perplexity(self) -> float:
         return math.exp(min(self.loss, 50.0))
+
+    def fields(self) -> dict[str, float]:
+        """metrics.jsonl's held-out fields: the loss, and perplexity (sft) or the objective's metrics."""
+        if self.metrics:
+            return {"eval_loss": self.loss, **{f"eval_{k}": v for k, v in self.metrics.items()}}
+        return {"eval_loss": self.loss, "eval_ppl": self.perplexity}
+
+    def describe(self) -> str:
+        if self.metrics:
+            return f"{self.loss:.4f} (preference accuracy {self.metrics.get('rewards_accuracy', math.nan):.2f})"
+        return f"{self.loss:.4f} (perplexity {self.perplexity:.2f})"
 
 
 class Trainer:
@@ -89,6 +101,9 @@ class Trainer:
         # Summed next-token cross-entropy over trained tokens, in fp32 (chunked over the vocabulary's logits
         # where the architecture allows); the step divides by the global batch's trained-token count.
         self.loss_sum = build_loss(model, t.loss_chunk_tokens)
+        # What a micro-batch trains (train.objective): (summed loss, its metrics' sums and counts), with the units
+        # the loss is averaged over and how examples are collated.
+        self.objective = TokenObjective(self.loss_sum) if t.objective == "sft" else PreferenceLoss(cfg, self.loss_sum)
         policy = precision(cfg)
         self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device), policy.loss_scaling,
                                          cfg.lora.plus_lr_ratio)
@@ -134,11 +149,13 @@ class Trainer:
         inputs = self._prefetched.pop(step, None) or self._inputs(step)
         batches, scale, counts = inputs.batches, inputs.scale, inputs.counts
         loss_sum = torch.zeros((), device=self.env.device)
+        metric_sums = torch.zeros(2 * len(self.objective.metrics), device=self.env.device)
         for batch in batches:
             with self.activation_offload(batch["input_ids"].numel()):
-                loss = self.loss_sum(self.model, batch)
+                loss, sums = self.objective(self.model, batch)
             self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
+            metric_sums += sums
 
         # Unscaled first, so that the norm and the clipping see the true gradients.
         self.scaler.unscale_(self.optimizer)
@@ -154,7 +171,8 @@ class Trainer:
 
         # One all-reduce for the logged loss and the preemption vote (a signal may reach only some ranks).
         vote = torch.tensor(float(self.stop_requested), dtype=torch.float64)
-        totals = torch.stack([loss_sum.to(torch.float64), self._on_device(vote)])
+        totals = torch.cat([torch.stack([loss_sum.to(torch.float64), self._on_device(vote)]),
+                            metric_sums.to(torch.float64)])
         dist.all_reduce(totals)
         # The norm lives where the gradients do: on the host under parallel.cpu_offload.
         norm = grad_norm.detach().to(self.env.device, torch.float64).reshape(1)
@@ -172,14 +190,14 @@ class Trainer:
         # gradient is the per-token mean however the batch is split. FSDP2 averages gradients over ranks;
         # multiplying by the world size turns that average back into the sum we want. Counted on the host,
         # summed over ranks on the device, and used there: reading the sum back would wait for the device.
-        counts = self._all_sum([sum(trained_tokens(b) for b in host), sum(input_tokens(b) for b in host)])
+        counts = self._all_sum([sum(self.objective.units(b) for b in host), sum(input_tokens(b) for b in host)])
         scale = (self.env.world_size / counts[0].clamp(min=1)).float()
         return StepInputs([self._to_device(b) for b in host], scale, counts)
 
     def finish(self, issued: IssuedStep) -> dict:
         """Wait for an issued step and return its record. A loss or gradient norm that is not finite is
         judged here (train.nan_policy), from the totals the step reads anyway, before any use of the record."""
-        loss_total, votes, n_trained, n_input, grad_norm = issued.totals.tolist()  # the step's one wait
+        loss_total, votes, *metric_sums, n_trained, n_input, grad_norm = issued.totals.tolist()  # the one wait
         elapsed = time.perf_counter() - issued.start
         n_trained, n_input = int(n_trained), int(n_input)
         loss = loss_total / max(n_trained, 1)
@@ -193,7 +211,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": skipped,  # no update was applied: the loss or gradients were not finite (or fp16 overflowed)
             "tokens": n_input,
-            "trained_tokens": n_trained,
+            self.objective.unit: n_trained,
             "tokens_per_s": n_input / elapsed,
             "step_time_s": elapsed,
             "peak_mem_gib": peak_memory_gib(self.env.device),
@@ -201,6 +219,8 @@ class Trainer:
         }
         if self.mfu_rate is not None:
             record["mfu"] = record["tokens_per_s"] * self.mfu_rate
+        if self.objective.metrics:
+            record.update(finish_metrics(self.objective.metrics, metric_sums))
         return record
 
     # -----------------------------------------------------------------------------------------------------------
@@ -217,9 +237,7 @@ class Trainer:
         if first is None and self.eval_examples:
             first = self.evaluate()
             self.nan_policy.check_eval("before training", first.loss)
-            self.progress.message(
-                f"held-out loss before training: {first.loss:.4f} (perplexity {first.perplexity:.2f})"
-            )
+            self.progress.message(f"held-out loss before training: {first.describe()}")
         self.progress.start(start_step)
         # Resumed from the checkpoint early stopping saved (and the same patience): nothing is left to train.
         result = FitResult(first=first, last=first, records=[], stopped_early=self.best.exhausted)
@@ -250,7 +268,7 @@ class Trainer:
         if due and self.eval_examples:
             result.last = self.evaluate()
             self.nan_policy.check_eval(f"after step {record['step']}", result.last.loss)
-            record["eval_loss"], record["eval_ppl"] = result.last.loss, result.last.perplexity
+            record.update(result.last.fields())
             self._judge_eval(record["step"], result)
         if self.samples is not None and self.samples.due(record["step"], self.total_steps):
             metrics.samples(record["step"], self.samples.generate(self.model, self.env.device))
@@ -297,33 +315,43 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> EvalResult:
-        """Mean per-token loss over the held-out set. Ranks take interleaved examples; every rank runs the
-        same number of forwards (FSDP2 all-gathers are collective), padding with zero-weight repeats."""
+        """Mean loss per trained unit (token, or pair) over the held-out set, with the objective's metrics.
+        Ranks take interleaved examples; every rank runs the same number of forwards (FSDP2 all-gathers are
+        collective): a token objective pads with zero-weight repeats, a preference one leaves padding out, and
+        a rank left with none at the end runs a real example at weight 0."""
         self.model.eval()
         n, world, mbs = len(self.eval_examples), self.env.world_size, self.cfg.train.micro_batch_size
         per_rank = math.ceil(n / world)
         mine = [i * world + self.env.rank for i in range(per_rank)]
-        loss_sum = torch.zeros((), device=self.env.device)
-        tokens = 0
+        sums = torch.zeros(1 + 2 * len(self.objective.metrics), device=self.env.device)
+        units = 0
         for start in range(0, per_rank, mbs):
             chunk = mine[start : start + mbs]
             real = [i for i in chunk if i < n]
-            batch = self._collate([i if i < n else 0 for i in chunk], self.eval_examples)
-            if len(real) < len(chunk):  # padding examples contribute no tokens
-                batch["labels"][len(real) :] = IGNORE_INDEX
-            tokens += trained_tokens(batch)
-            loss_sum += self.loss_sum(self.model, self._to_device(batch))
-        total_loss = self._all_sum_tensor(loss_sum)
-        total_tokens = int(self._all_sum([tokens]).item())
+            batch = self._eval_batch(real, len(chunk))
+            units += self.objective.units(batch) if real else 0
+            loss, metric_sums = self.objective(self.model, self._to_device(batch))
+            sums += torch.cat([loss.detach().reshape(1), metric_sums]) * (1.0 if real else 0.0)
+        total = self._all_sum_tensor(sums)
+        total_units = int(self._all_sum([units]).item())
         # Without a backward to trigger it, modules that keep weights gathered after forward (the last
         # block, the root) would stay unsharded, holding bf16 copies where the fp32 shards belong.
         reshard_all(self.model)
-        return EvalResult(total_loss / max(total_tokens, 1), total_tokens)
+        metrics = finish_metrics(self.objective.metrics, total[1:].tolist()) if self.objective.metrics else {}
+        return EvalResult(float(total[0]) / max(total_units, 1), total_units, metrics)
+
+    def _eval_batch(self, real: list[int], size: int) -> dict[str, torch.Tensor]:
+        """Held-out examples `real` collated; a token objective's batch padded to `size` with zero-weight repeats."""
+        if not isinstance(self.objective, TokenObjective):  # pairs have no tokens to mask: padding is left out
+            return self._collate(real or [0], self.eval_examples)
+        batch = self._collate(real + [0] * (size - len(real)), self.eval_examples)
+        batch["labels"][len(real) :] = IGNORE_INDEX  # padding examples contribute no tokens
+        return batch
 
     # -----------------------------------------------------------------------------------------------------------
     def _collate(self, indices: list[int], examples: list[Example] | None = None) -> dict[str, torch.Tensor]:
         examples = self.train_examples if examples is None else examples
-        return collate([examples[i] for i in indices], self.pad_id)
+        return self.objective.collate([examples[i] for i in indices], self.pad_id)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch on the device, with what the step would otherwise ask the device for decided here
@@ -349,7 +377,8 @@ class Trainer:
         dist.all_reduce(t)
         return t
 
-    def _all_sum_tensor(self, value: torch.Tensor) -> float:
+    def _all_sum_tensor(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, float64, on the host."""
         t = value.detach().to(torch.float64)
         dist.all_reduce(t)
-        return float(t)
+        return t.cpu()

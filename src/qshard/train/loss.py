@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from qshard.data import IGNORE_INDEX, model_inputs
+from qshard.data import IGNORE_INDEX, collate, model_inputs
 
 log = logging.getLogger("qshard")
 
@@ -45,6 +45,14 @@ class FullLogitsLoss:
             logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
 
+    def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The log-prob of each trained next token, at `batch["loss_positions"]` (preference objectives)."""
+        logits = model(**model_inputs(batch), use_cache=False).logits
+        positions = batch["loss_positions"]
+        labels = batch["labels"][:, 1:].flatten().index_select(0, positions)
+        return -F.cross_entropy(logits[:, :-1].flatten(0, 1).index_select(0, positions).float(), labels,
+                                reduction="none")
+
 
 class ChunkedLoss:
     def __init__(self, model: nn.Module, chunk_tokens: int) -> None:
@@ -59,6 +67,14 @@ class ChunkedLoss:
         self.hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _ChunkedHeadCE.apply(*self._head_inputs(model, batch), self.chunk_tokens, self.softcap, "sum")
+
+    def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The log-prob of each trained next token, in the order of `loss_positions` (preference objectives)."""
+        return -_ChunkedHeadCE.apply(*self._head_inputs(model, batch), self.chunk_tokens, self.softcap, "none")
+
+    def _head_inputs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple:
+        """(hidden states at the trained positions, their next tokens, the head's weight and bias)."""
         device = batch["input_ids"].device
         no_positions = torch.empty(0, dtype=torch.long, device=device)
         model(**model_inputs(batch), use_cache=False, logits_to_keep=no_positions)
@@ -79,7 +95,7 @@ class ChunkedLoss:
             weight = weight.full_tensor()
         if isinstance(bias, DTensor):
             bias = bias.full_tensor()
-        return _ChunkedHeadCE.apply(states, labels, weight, bias, self.chunk_tokens, self.softcap)
+        return states, labels, weight, bias
 
 
 def loss_positions(labels: torch.Tensor) -> torch.Tensor:
@@ -87,20 +103,28 @@ def loss_positions(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).flatten().nonzero().squeeze(1)
 
 
-def _chunk_loss(states, labels, weight, bias, softcap) -> torch.Tensor:
+def _chunk_loss(states, labels, weight, bias, softcap, reduction="sum") -> torch.Tensor:
     """The full-logits path's arithmetic on a slice of tokens: logits in the compute dtype, soft-capped
-    there as the model would, then cross-entropy in fp32."""
+    there as the model would, then cross-entropy in fp32 (summed, or per token with reduction "none")."""
     logits = F.linear(states, weight.to(states.dtype), None if bias is None else bias.to(states.dtype))
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits.float(), labels, reduction="sum")
+    return F.cross_entropy(logits.float(), labels, reduction=reduction)
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
+    """Cross-entropy of the head's logits, chunk by chunk: summed ("sum"), or each token's ("none")."""
+
     @staticmethod
-    def forward(ctx, states, labels, weight, bias, chunk_tokens, softcap):
+    def forward(ctx, states, labels, weight, bias, chunk_tokens, softcap, reduction="sum"):
         ctx.save_for_backward(states, labels, weight, bias)
-        ctx.chunk_tokens, ctx.softcap = chunk_tokens, softcap
+        ctx.chunk_tokens, ctx.softcap, ctx.reduction = chunk_tokens, softcap, reduction
+        if reduction == "none":
+            out = states.new_empty(states.shape[0], dtype=torch.float32)
+            for start in range(0, states.shape[0], chunk_tokens):
+                end = start + chunk_tokens
+                out[start:end] = _chunk_loss(states[start:end], labels[start:end], weight, bias, softcap, "none")
+            return out
         total = states.new_zeros((), dtype=torch.float32)
         for start in range(0, states.shape[0], chunk_tokens):
             end = start + chunk_tokens
@@ -121,9 +145,10 @@ class _ChunkedHeadCE(torch.autograd.Function):
             piece = states[start:end].detach().requires_grad_(need_states)
             inputs = [t for t, need in ((piece, need_states), (weight_leaf, need_weight), (bias_leaf, need_bias))
                       if need]
+            grad = grad_total if ctx.reduction == "sum" else grad_total[start:end]
             with torch.enable_grad():
-                loss = _chunk_loss(piece, labels[start:end], weight_leaf, bias_leaf, ctx.softcap)
-                grads = iter(torch.autograd.grad(loss, inputs, grad_total))
+                loss = _chunk_loss(piece, labels[start:end], weight_leaf, bias_leaf, ctx.softcap, ctx.reduction)
+                grads = iter(torch.autograd.grad(loss, inputs, grad))
             if need_states:
                 grad_states[start:end] = next(grads)
             if need_weight:
@@ -131,7 +156,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
             if need_bias:
                 grad_bias += next(grads)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return grad_states, None, cast(grad_weight, weight), cast(grad_bias, bias), None, None
+        return grad_states, None, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None
 
 
 def build_loss(model: nn.Module, chunk_tokens: int):
@@ -144,3 +169,22 @@ def build_loss(model: nn.Module, chunk_tokens: int):
         log.info("loss over full logits: %s's output head is not one qshard chunks", model_type)
         return FullLogitsLoss()
     return ChunkedLoss(model, chunk_tokens)
+
+
+class TokenObjective:
+    """train.objective sft, as the trainer uses an objective: (summed loss, the metrics' sums and counts: none
+    here) of a micro-batch, normalized by the global batch's trained tokens (`units`)."""
+
+    metrics: tuple[str, ...] = ()
+    unit = "trained_tokens"
+    collate = staticmethod(collate)
+
+    def __init__(self, loss) -> None:
+        self.loss = loss
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loss(model, batch), batch["input_ids"].new_zeros(0, dtype=torch.float32)
+
+    @staticmethod
+    def units(batch: dict[str, torch.Tensor]) -> int:
+        return len(loss_positions(batch["labels"]))

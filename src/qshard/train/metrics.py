@@ -171,13 +171,17 @@ class Progress:
             return
         self.recent.append(record["step_time_s"])
         fields = f"loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s"
+        if "rewards_margin" in record:  # a preference objective's
+            fields += f" | margin {record['rewards_margin']:.3f}" + _accuracy(record, "")
         if "mfu" in record:
             fields += f" | MFU {record['mfu']:.1%}"
         memory = record["peak_mem_gib"]
         fields += f" | {memory:.2f} GiB ({memory / self.memory_total_gib:.0%})"
         evaluated = "eval_loss" in record
         if evaluated:  # the steps that evaluated show the held-out numbers, whatever log_every says
-            held_out = f"held-out loss {record['eval_loss']:.4f} (perplexity {record['eval_ppl']:.2f})"
+            held_out = f"held-out loss {record['eval_loss']:.4f}"
+            ppl = f" (perplexity {record['eval_ppl']:.2f})" if "eval_ppl" in record else ""
+            held_out += ppl or _accuracy(record, "eval_")
             fields += f" | {held_out}"
         if self.bar is not None:  # tqdm shows its own ETA
             self.bar.set_postfix_str(fields, refresh=False)
@@ -202,6 +206,12 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _accuracy(record: dict[str, Any], prefix: str) -> str:
+    """A preference record's accuracy (` | acc 0.75`), where its method has one (KTO's unpaired data has none)."""
+    key = f"{prefix}rewards_accuracy"
+    return f" | {'held-out ' if prefix else ''}acc {record[key]:.2f}" if key in record else ""
 
 
 def format_duration(seconds: float) -> str:

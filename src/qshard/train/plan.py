@@ -115,6 +115,8 @@ class RunPlan:
                 f"{t.micro_batch_size * t.grad_accum * self.world_size} {self._unit()} per step")
 
     def _unit(self) -> str:
+        if self.cfg.train.objective not in ("sft", "kto"):
+            return "pairs"
         return "sequences" if self.cfg.data.packing else "examples"
 
     def _data(self) -> str:

@@ -52,6 +52,7 @@ from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
 from qshard.train.plan import RunPlan
 from qshard.train.profiler import check_profile_steps
+from qshard.train.reference import load_init_adapter, precompute_reference, reference_key
 from qshard.train.samples import Prompt, build_samples, read_prompts
 from qshard.train.trackers import open_trackers
 
@@ -283,7 +284,9 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume, prompts:
     tokenizer = inputs.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = Trainer(cfg, env, model, inputs.train, inputs.eval, pad_id)  # checks the data fills a batch
-    trainer.samples = build_samples(cfg, prompts, tokenizer, inputs.eval, inputs.exported.generation.get(
+    # Preference pairs sample the prompt of each pair's first completion.
+    held_out = inputs.eval.completions() if hasattr(inputs.eval, "completions") else inputs.eval
+    trainer.samples = build_samples(cfg, prompts, tokenizer, held_out, inputs.exported.generation.get(
         "eos_token_id", []), pad_id, plain_text_run(cfg.data))
     trainer.checkpoint_meta = {
         "base_model": base_model_name(cfg),
@@ -294,10 +297,23 @@ def _build(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume, prompts:
         "vocab_size": model.config.vocab_size,  # the rows its embedding has: export rebuilds the model with them
         "config": cfg.to_dict(),
     }
+    _reference(cfg, trainer, inputs, fingerprint)
     run = _Run(model, report, trainer)
     if resume.path is not None:
         _restore(run, resume, env)
     return run
+
+
+def _reference(cfg: Config, trainer: Trainer, inputs: _Inputs, fingerprint: str) -> None:
+    """train.init_adapter's weights into the adapters, and pref.precompute_reference's log-probs, computed while
+    the model is the reference still (before a resumed checkpoint is loaded)."""
+    if cfg.train.init_adapter:
+        adapter = load_init_adapter(cfg, trainer.model)
+        if trainer.env.is_main:
+            log.info("continuing the adapter %s (train.init_adapter)", adapter)
+    if cfg.pref.precompute_reference:
+        key = reference_key(cfg, fingerprint)
+        precompute_reference(trainer, [inputs.train, inputs.eval], key, adapters_off=not cfg.train.init_adapter)
 
 
 def _print_plan(cfg: Config, env: DistEnv, out: Path, inputs: _Inputs, resume: _Resume) -> None:
@@ -365,8 +381,7 @@ def _finish(cfg: Config, env: DistEnv, out: Path, run: _Run, fit: FitResult, sta
         _write_json_atomic(out / "summary.json", summary)
         first, last = fit.first, fit.last
         if first is not None and last is not None:
-            log.info("held-out loss %.4f -> %.4f (perplexity %.2f -> %.2f)",
-                     first.loss, last.loss, first.perplexity, last.perplexity)
+            log.info("held-out loss %s -> %s", first.describe(), last.describe())
         log.info("finished %d steps in %.1f s; results in %s (draw them: qshard plot %s)", _last_step(run, fit),
                  summary["elapsed_s"], out, out)
     dist.barrier()
@@ -426,6 +441,7 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
     records, first, last = fit.records, fit.first, fit.last
     return {
         "train_type": cfg.train.train_type,
+        "objective": cfg.train.objective,
         "world_size": env.world_size,
         "steps": run.trainer.total_steps,
         "resumed_from_step": run.start_step or None,
@@ -435,6 +451,8 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
         "eval_loss_end": last.loss if last else None,
         "eval_ppl_start": first.perplexity if first else None,
         "eval_ppl_end": last.perplexity if last else None,
+        # A preference objective's held-out metrics after training (eval_rewards_accuracy, ...).
+        **({f"eval_{k}_end": v for k, v in last.metrics.items()} if last else {}),
         "elapsed_s": time.perf_counter() - started,
         "adapter": "adapter" if run.report.adapted else None,
         "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), _last_step(run, fit))),

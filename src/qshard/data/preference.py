@@ -1,0 +1,227 @@
+"""Preference data (train.objective other than sft): records to pairs of token rows, and views of pairs.
+
+Records, each field a string or a list of {role, content} messages:
+
+* pairs (dpo, ipo, orpo, simpo): ``prompt``, ``chosen``, ``rejected``. The prompt's turns are shared and the two
+  completions are different final assistant turns. As in UltraFeedback binarized, ``chosen`` and ``rejected``
+  may instead be whole conversations that repeat the prompt's turns; the prompt is then their shared turns
+  before the last (a ``prompt`` field beside them is ignored).
+* kto: ``prompt``, ``completion``, ``label`` (true: desirable).
+
+Each record becomes two rows of the token store, rendered by the run's chat template with the prompt's tokens
+untrained: (chosen, rejected), or for KTO (completion, empty) when desirable and (empty, completion) when not.
+So the data pipeline (sources, weights, the held-out split, caching) handles pairs as it handles examples, and
+`PairView` reads them back two rows at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from qshard.data.batching import collate
+from qshard.data.example import IGNORE_INDEX, Example
+from qshard.data.formats import ROLES, string_field
+from qshard.data.records import BadRecord, json_type
+from qshard.data.store import ExampleView
+from qshard.data.templates import Encoder
+
+# The record layouts (tokenize.Options.format) of the preference objectives.
+PAIRS, UNPAIRED = "preference", "kto"
+PREFERENCE_FORMATS = (PAIRS, UNPAIRED)
+
+
+def preference_format(objective: str) -> str | None:
+    """The record layout train.objective reads, or None for sft (the SFT formats)."""
+    return None if objective == "sft" else UNPAIRED if objective == "kto" else PAIRS
+
+
+# --------------------------------------------------------------------------------------------------- records
+
+
+def _messages(value: Any, name: str, where: str) -> list[dict[str, str]]:
+    """A field as messages: a string is one turn (user for a prompt, assistant for a completion)."""
+    if isinstance(value, str):
+        return [{"role": "user" if name == "prompt" else "assistant", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise BadRecord(f"{where}: field '{name}' must be a string or a non-empty array of messages, got "
+                        f"{json_type(value)}")
+    out = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            raise BadRecord(f"{where}: field '{name}[{i}]' must be an object, got {json_type(turn)}")
+        role = string_field(turn, "role", f"{where}: {name}[{i}]")
+        if role not in ROLES:
+            raise BadRecord(f"{where}: field '{name}[{i}].role': unknown role {role!r} (expected one of "
+                            f"{', '.join(ROLES)})")
+        out.append({"role": role, "content": string_field(turn, "content", f"{where}: {name}[{i}]")})
+    return out
+
+
+def _completion(turns: list[dict[str, str]], name: str, where: str) -> list[dict[str, str]]:
+    if turns[-1]["role"] != "assistant":
+        raise BadRecord(f"{where}: field '{name}' does not end with an assistant turn, so nothing in it is trained")
+    return turns
+
+
+def _prompt(record: dict[str, Any], where: str) -> list[dict[str, str]]:
+    if record.get("prompt") in (None, "", []):
+        raise BadRecord(f"{where}: no prompt: field 'prompt' is missing or empty")
+    prompt = _messages(record["prompt"], "prompt", where)
+    if prompt[-1]["role"] == "assistant":
+        raise BadRecord(f"{where}: field 'prompt' ends with an assistant turn; the completion is the assistant's")
+    return prompt
+
+
+def pair_messages(record: dict[str, Any], where: str) -> tuple[list, list, list]:
+    """(prompt turns, chosen turns, rejected turns) of a pair record, or a BadRecord saying what is wrong."""
+    for name in ("chosen", "rejected"):
+        if name not in record:
+            raise BadRecord(f"{where}: missing field '{name}'")
+    chosen = _messages(record["chosen"], "chosen", where)
+    rejected = _messages(record["rejected"], "rejected", where)
+    if chosen[0]["role"] != "assistant" and rejected[0]["role"] != "assistant":  # whole conversations
+        if len(chosen) < 2 or chosen[:-1] != rejected[:-1]:
+            raise BadRecord(f"{where}: 'chosen' and 'rejected' are whole conversations whose turns before the last "
+                            "differ (or hold no prompt turn), so they share no prompt")
+        prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+    else:
+        prompt = _prompt(record, where)
+    chosen, rejected = _completion(chosen, "chosen", where), _completion(rejected, "rejected", where)
+    if chosen == rejected:
+        raise BadRecord(f"{where}: 'chosen' and 'rejected' are identical, so the pair prefers nothing")
+    return prompt, chosen, rejected
+
+
+def kto_messages(record: dict[str, Any], where: str) -> tuple[list, list, bool]:
+    """(prompt turns, completion turns, desirable) of a KTO record."""
+    if "completion" not in record:
+        raise BadRecord(f"{where}: missing field 'completion'")
+    label = record.get("label")
+    if not isinstance(label, bool):
+        raise BadRecord(f"{where}: field 'label' must be true (desirable) or false, got {json_type(label)}")
+    completion = _completion(_messages(record["completion"], "completion", where), "completion", where)
+    return _prompt(record, where), completion, label
+
+
+# ------------------------------------------------------------------------------------------------- encoding
+
+
+def _tokens(encoder: Encoder, prompt: list, completion: list, where: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) as the chat template renders the conversation; the completion is what
+    rendering it adds after the prompt with the assistant's turn opened (with the eos the encoder appends)."""
+    prompt_ids = encoder.generation_prompt(prompt, where)
+    ids, _ = encoder._conversation(prompt + completion, where)
+    if ids[: len(prompt_ids)] != prompt_ids:
+        raise BadRecord(f"{where}: the chat template is not prefix-consistent (the prompt's rendering is not a token "
+                        "prefix of the conversation's), so the completion cannot be located")
+    return prompt_ids, ids[len(prompt_ids):]
+
+
+def cut_prompt(ids: list[int], keep: int, bos_id: int | None) -> list[int]:
+    """The prompt's last `keep` tokens, its bos kept first."""
+    if len(ids) <= keep:
+        return ids
+    if bos_id is not None and ids and ids[0] == bos_id:
+        return [bos_id] + ids[len(ids) - keep + 1:]
+    return ids[len(ids) - keep:]
+
+
+def encode_preference(encoder: Encoder, opts: Any, fmt: str, record: dict[str, Any], where: str) -> tuple:
+    """One record's outcome: ("rows", [(ids, labels), (ids, labels)], truncated) or ("overlong",). The prompt is
+    cut to pref.max_prompt_length (its end kept), then each completion to what data.max_length leaves."""
+    if fmt == PAIRS:
+        prompt, *completions = pair_messages(record, where)
+        desirable = None
+    else:
+        prompt, completion, desirable = kto_messages(record, where)
+        completions = [completion]
+    encoded = [_tokens(encoder, prompt, c, where) for c in completions]
+    prompt_ids = encoded[0][0]
+    keep = min(opts.max_prompt_length or opts.max_length, opts.max_length - 1)
+    cut = cut_prompt(prompt_ids, keep, encoder.bos_id)
+    room = opts.max_length - len(cut)
+    truncated = len(cut) < len(prompt_ids) or any(len(c) > room for _, c in encoded)
+    if truncated and opts.overlong == "drop":
+        return ("overlong",)
+    rows = [_row(cut, c[:room]) for _, c in encoded]
+    if desirable is not None:
+        empty = (np.zeros(0, np.int32), np.zeros(0, np.int32))
+        rows = [rows[0], empty] if desirable else [empty, rows[0]]
+    return ("rows", rows, truncated)
+
+
+def _row(prompt: list[int], completion: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    ids = prompt + completion
+    labels = [IGNORE_INDEX] * len(prompt) + completion
+    return np.asarray(ids, np.int32), np.asarray(labels, np.int32)
+
+
+# ---------------------------------------------------------------------------------------------------- views
+
+
+class Pair(NamedTuple):
+    """A record's two rows (KTO: one of them empty), with their precomputed reference log-probs where there are."""
+
+    chosen: Example
+    rejected: Example
+    ref_chosen: float | None = None
+    ref_rejected: float | None = None
+
+
+class PairView(Sequence):
+    """Pairs read from stores of rows, two rows a pair: (chosen, rejected), or KTO's (desirable, undesirable) with
+    one of the two empty. Selects, repeats and joins as ExampleView does, pair by pair."""
+
+    def __init__(self, rows: ExampleView):
+        assert len(rows) % 2 == 0, "a preference store holds two rows per record"
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows) // 2
+
+    def __getitem__(self, i: int) -> Pair:
+        return Pair(self.rows[2 * i], self.rows[2 * i + 1], self._reference(2 * i), self._reference(2 * i + 1))
+
+    def _reference(self, row: int) -> float | None:
+        store, j = self.rows.refs[row]
+        reference = self.rows.stores[store].reference
+        return None if reference is None else float(reference[j])
+
+    def lengths(self) -> np.ndarray:
+        return self.rows.lengths().reshape(-1, 2).sum(axis=1)
+
+    def subset(self, indices: Sequence[int] | np.ndarray) -> PairView:
+        pairs = np.asarray(indices, dtype=np.int64).reshape(-1, 1)
+        return PairView(self.rows.subset((2 * pairs + np.arange(2)).reshape(-1)))
+
+    @staticmethod
+    def concat(views: list[PairView]) -> PairView:
+        return PairView(ExampleView.concat([v.rows for v in views]))
+
+    def completions(self) -> ExampleView:
+        """Each pair's first non-empty row (the chosen one, or KTO's completion): its prompt samples the model."""
+        lengths = self.rows.lengths().reshape(-1, 2)
+        return self.rows.subset(2 * np.arange(len(self)) + (lengths[:, 0] == 0))
+
+
+def collate_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tensor]:
+    """One batch for one forward: every pair's chosen row, then every rejected one (KTO's empty rows left out),
+    with the batch rows of each (`chosen_rows`, `rejected_rows`), the row of each trained position (`loss_rows`,
+    in `loss_positions` order), each row's trained-token count (`row_tokens`), and where they were precomputed,
+    each row's reference log-prob (`ref_logps`)."""
+    chosen = [p for p in pairs if p.chosen.input_ids]
+    rejected = [p for p in pairs if p.rejected.input_ids]
+    batch = collate([p.chosen for p in chosen] + [p.rejected for p in rejected], pad_id)
+    if pairs[0].ref_chosen is not None:
+        references = [p.ref_chosen for p in chosen] + [p.ref_rejected for p in rejected]
+        batch["ref_logps"] = torch.tensor(references, dtype=torch.float32)
+    trained = batch["labels"][:, 1:] != IGNORE_INDEX
+    batch["loss_rows"] = trained.flatten().nonzero().squeeze(1) // trained.shape[1]
+    batch["row_tokens"] = trained.sum(dim=1).clamp(min=1).float()
+    batch["chosen_rows"] = torch.arange(len(chosen))
+    batch["rejected_rows"] = torch.arange(len(chosen), len(chosen) + len(rejected))
+    return batch
