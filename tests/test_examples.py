@@ -74,8 +74,9 @@ def data_files(tmp_path_factory):
 
 def _tiny(tiny_models, model_type: str, lora_rank: int = 8) -> Path:
     """The tiny model of `model_type`; with as many key/value heads as query heads where the rank needs the
-    k/v projections as wide as the hidden size (128): a rank cannot exceed a layer's smaller side."""
-    overrides = MOE if model_type == "mixtral" else {}
+    k/v projections as wide as the hidden size (128): a rank cannot exceed a layer's smaller side. Its
+    positions reach as far as the examples' sequences (the model it stands for has that many)."""
+    overrides = {**(MOE if model_type == "mixtral" else {}), "max_position_embeddings": 8192}
     if lora_rank > 64:
         overrides = {**overrides, "num_key_value_heads": 4}
     return tiny_models(model_type, **overrides)
