@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,8 @@ import torch
 from qshard.config import Config, from_dict
 from qshard.errors import QShardError
 from qshard.parallel import compile as compile_mod
-from qshard.parallel.compile import compile_choice, decide_compile, use_persistent_caches
+from qshard.parallel.compile import compile_choice, decide_compile
+from qshard.parallel.compile_cache import use_persistent_caches
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -90,3 +94,15 @@ def test_the_traced_checkpoint_notice_is_dropped_and_other_warnings_kept():
     finally:
         logger.removeHandler(handler)
     assert seen == ["something else"]
+
+
+def test_qshard_train_chooses_the_cache_before_anything_fixes_it(tmp_path):
+    """Importing torch's compiler stack fixes inductor's cache directory for the process (torch's default under
+    /tmp): `qshard train` must set its own first. A fresh process, as users start it."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), OMP_NUM_THREADS="1")
+    script = ("import os; from qshard import cli; "
+              f"code = cli.main(['train', '--model.shape', 'llama-tiny', '--output-dir', {str(tmp_path / 'run')!r}, "
+              "'--dry-run']); print(code, os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.splitlines()[-1].split() == ["0", str(tmp_path / "xdg" / "qshard" / "inductor")], out.stderr[-2000:]

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.parallel.nproc > 1 and not launcher.launched() and not args.dry_run:  # a dry run plans the ranks
             return launcher.launch(cfg.parallel.nproc, argv)
         # Before the heavy imports: importing bitsandbytes already fixes inductor's cache directory.
-        from qshard.parallel.compile import use_persistent_caches
+        from qshard.parallel.compile_cache import use_persistent_caches
 
         use_persistent_caches()
         from qshard.train.run import run_training  # heavy imports only once the config is valid

@@ -16,14 +16,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import os
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from qshard.config import Config, ParallelConfig
 from qshard.parallel.checkpointing import traced_checkpoint
+from qshard.parallel.compile_cache import use_persistent_caches
 
 log = logging.getLogger("qshard")
 
@@ -113,14 +112,3 @@ def decide_compile(cfg: Config, device: torch.device, log_it: bool) -> Config:
     if log_it and cfg.parallel.compile is AUTO:
         log.info(why)
     return with_compile_decided(cfg, compiled)
-
-
-def use_persistent_caches() -> Path:
-    """Keep inductor's compiled graphs and kernels where the next run finds them: TORCHINDUCTOR_CACHE_DIR when
-    set, else ~/.cache/qshard/inductor (torch's default is under /tmp, which a reboot or a new node of a
-    cluster starts empty). Triton keeps its own kernels under ~/.triton. Returns the directory. It must run
-    before anything asks inductor for its cache directory (importing bitsandbytes does), which then keeps it."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(home / "qshard" / "inductor")
-    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
