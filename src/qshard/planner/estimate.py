@@ -1,0 +1,425 @@
+"""One run's prediction: each rank's peak GPU memory and its parts, the host's memory while loading and while
+training, the step time and tok/s, and whether it fits. Built from the tensor layout (layout.py) and the
+activations the skeleton saves (activations.py); the constants that are not sizes live in hardware.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from qshard.adapters import LoRALinear
+from qshard.build import Skeleton
+from qshard.config import Config, checkpoint_trace_unmet
+from qshard.parallel.checkpointing import checkpointed_blocks
+from qshard.parallel.fsdp import reshard_after_forward
+from qshard.planner import hardware
+from qshard.planner.activations import BlockActivations, probe_activations
+from qshard.planner.hardware import GPU
+from qshard.planner.layout import TensorPlan, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
+from qshard.precision import precision
+from qshard.quant import QuantizedLinear
+
+GIB = 2**30
+# The transient memory of backward through one recomputed block, as a multiple of what its forward saves
+# (gradients of its intermediates beside the recomputed tensors).
+WORKING_SET_FACTOR = 1.6
+# Checkpoints still on the GPU under activation offload: the block in use and the one being copied.
+OFFLOAD_KEPT_BLOCKS = 2
+# What the caching allocator holds beyond the live tensors at the peak (rounding, blocks not yet reused).
+ALLOCATOR_RESERVE = 0.03
+# Host memory of a training process before any model state: CUDA context, torch and its libraries, the data.
+HOST_BASE_GIB = 4.0
+
+
+@dataclass
+class Machine:
+    """What the run is predicted on."""
+
+    gpu: GPU
+    nodes: int = 1
+    gpus_per_node: int = 1
+    host_mem_gib: float | None = None  # per node; None: not checked
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Estimate:
+    """The prediction, in GiB and seconds; `parts` is the largest rank's breakdown."""
+
+    peak_gpu_gib_per_rank: list[float]
+    parts: dict[str, float]
+    host_parts: dict[str, float]
+    peak_host_gib: float  # per node, the larger of loading and training
+    loading_host_gib: float
+    step_s: float
+    tok_s: float
+    time_parts: dict[str, float]
+    machine: Machine
+    tokens_per_step: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_gpu_gib(self) -> float:
+        return max(self.peak_gpu_gib_per_rank)
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.peak_gpu_gib <= self.machine.gpu.memory_gib
+
+    @property
+    def fits_host(self) -> bool:
+        return self.machine.host_mem_gib is None or self.peak_host_gib <= self.machine.host_mem_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    def to_json(self) -> dict:
+        m = self.machine
+        return {
+            "fits": self.fits, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
+            "peak_gpu_gib": round(self.peak_gpu_gib, 3),
+            "peak_gpu_gib_per_rank": [round(x, 3) for x in self.peak_gpu_gib_per_rank],
+            "gpu_mem_gib": m.gpu.memory_gib, "peak_host_gib": round(self.peak_host_gib, 3),
+            "loading_host_gib": round(self.loading_host_gib, 3), "host_mem_gib": m.host_mem_gib,
+            "tok_s": round(self.tok_s, 1), "step_s": round(self.step_s, 4), "tokens_per_step": self.tokens_per_step,
+            "parts": {k: round(v, 4) for k, v in self.parts.items()},
+            "host_parts": {k: round(v, 4) for k, v in self.host_parts.items()},
+            "time_parts": {k: round(v, 5) for k, v in self.time_parts.items()},
+            "gpu_kind": m.gpu.name, "nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "notes": self.notes,
+        }
+
+
+def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: BlockActivations | None = None,
+             cache: dict | None = None) -> Estimate:
+    """The prediction for `cfg` on `machine` with sequences of `seq` tokens (the longest a micro-batch holds).
+    `acts` and `cache` (of layouts): what a caller comparing many settings of one model reuses (`--fit`)."""
+    acts = acts or probe_activations(model, cfg)
+    world = machine.world_size
+    mesh = plan_mesh(cfg, world)
+    p = cfg.parallel
+    key = (p.cpu_offload, p.sharding, p.quant_sharding, p.replicate_degree)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = [tensor_layout(model, cfg, world, rank) for rank in range(mesh.shard)]
+    layouts = cache[key]
+    shapes = _Shapes(model, cfg, seq, world)
+    peaks, parts = [], None
+    for plans in layouts:
+        rank_parts = _gpu_parts(model, cfg, plans, acts, shapes)
+        peaks.append(sum(rank_parts.values()) / GIB)
+        parts = parts if parts is not None and sum(parts.values()) >= sum(rank_parts.values()) else rank_parts
+    host_parts, loading = _host_parts(model, cfg, layouts[0], acts, shapes, machine)
+    times = _step_times(model, cfg, layouts[0], shapes, machine, acts)
+    step = sum(times.values())
+    tokens = shapes.tokens * cfg.train.grad_accum * world
+    return Estimate(
+        peak_gpu_gib_per_rank=[peaks[mesh.shard_index(r)] for r in range(world)],
+        parts={k: v / GIB for k, v in parts.items()},
+        host_parts={k: v / GIB for k, v in host_parts.items()},
+        peak_host_gib=max(sum(host_parts.values()), loading) / GIB,
+        loading_host_gib=loading / GIB,
+        step_s=step, tok_s=tokens / step, time_parts=times, machine=machine, tokens_per_step=tokens,
+        notes=_notes(cfg, world),
+    )
+
+
+class _Shapes:
+    """The sizes the formulas read, from the skeleton's config and the run's options."""
+
+    def __init__(self, model: Skeleton, cfg: Config, seq: int, world: int) -> None:
+        self.world = world
+        text = model.model.config.get_text_config()
+        self.seq = seq
+        self.tokens = cfg.train.micro_batch_size * seq  # per micro-batch per rank
+        self.hidden = text.hidden_size
+        head = model.model.get_output_embeddings()
+        self.vocab = head.weight.shape[0] if head is not None else text.vocab_size
+        heads = text.num_attention_heads
+        self.attn_dim = heads * getattr(text, "head_dim", None) if getattr(text, "head_dim", None) else self.hidden
+        self.heads = heads
+        self.compute = precision(cfg).compute.itemsize
+        self.blocks = len(model.blocks)
+
+
+def _block_index(model: Skeleton) -> dict[str, int]:
+    """Parameter name -> its block's index (names outside blocks are absent)."""
+    ids = {id(b): i for i, b in enumerate(model.blocks)}
+    found = {}
+    for name, module in model.model.named_modules():
+        if id(module) in ids:
+            for pname, _ in module.named_parameters():
+                found[f"{name}.{pname}"] = ids[id(module)]
+    return found
+
+
+def _gpu_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations,
+               shapes: _Shapes) -> dict[str, float]:
+    """One rank's GPU memory at its peak, by part, in bytes."""
+    sizes = state_sizes(plans)
+    w = sizes.weights
+    parts = {
+        "quantized storage": w.get("quantized", 0),
+        "frozen weights": w.get("frozen", 0),
+        "embedding and head": w.get("embedding", 0) + w.get("head", 0),
+        "trained weights": w.get("trained", 0),
+        "AdamW state": 0 if sizes.on_host else sizes.optimizer,
+    }
+    parts["gathered blocks"] = _gathered(model, cfg, plans, shapes)
+    parts["dequantized weight"] = _largest_dequantized(model, shapes)
+    dynamic = _activation_phases(model, cfg, plans, acts, shapes)
+    parts.update(dynamic)
+    parts["communication buffers"] = _comm_buffers(model, cfg, plans)
+    parts["allocator reserve"] = ALLOCATOR_RESERVE * sum(parts.values())
+    return parts
+
+
+def _gathered(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: _Shapes) -> float:
+    """Blocks' weights gathered by FSDP2 at once: the block running and the one prefetched (every block under
+    grad_op, which keeps them from forward to backward), and the head, which stays gathered for the loss;
+    storage in DTensor buffers is gathered a layer at a time."""
+    index = _block_index(model)
+    per_block = [0.0] * shapes.blocks
+    rest = layer = 0.0
+    for plan in plans:
+        if plan.holder == "dtensor":
+            layer = max(layer, plan.full_bytes)
+        if plan.holder != "fsdp":
+            continue
+        gathered = plan.full_bytes
+        if plan.dtype.is_floating_point:
+            gathered = gathered // plan.dtype.itemsize * _gathered_itemsize(plan, cfg, shapes)
+        if plan.name in index:
+            per_block[index[plan.name]] += gathered
+        elif plan.part == "head":
+            rest += gathered
+    per_block.sort(reverse=True)
+    in_flight = shapes.blocks if not reshard_after_forward(cfg.parallel) else min(2, shapes.blocks)
+    return sum(per_block[:in_flight]) + rest + 2 * layer
+
+
+def _gathered_itemsize(plan: TensorPlan, cfg: Config, shapes: _Shapes) -> int:
+    # Units of quantized blocks cast nothing (their adapters travel as fp32 masters); the others cast to compute.
+    if cfg.train.train_type in ("qlora", "qdora") and plan.trainable:
+        return plan.dtype.itemsize
+    return shapes.compute
+
+
+def _largest_dequantized(model: Skeleton, shapes: _Shapes) -> float:
+    sizes = [m.in_features * m.out_features for m in model.model.modules() if isinstance(m, QuantizedLinear)]
+    return max(sizes, default=0) * shapes.compute
+
+
+def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations,
+                       shapes: _Shapes) -> dict[str, float]:
+    """The activations, loss chunk and gradients at the step's peak: the loss (every block's checkpoint kept),
+    or backward through block i (the checkpoints before it, its working set, the gradients after it)."""
+    p, t = cfg.parallel, shapes.tokens
+    ckpt = {id(b) for b in checkpointed_blocks(model.blocks, p)}
+    kept = _kept_per_block(model, cfg, acts, shapes)
+    if p.activation_offload:  # every block's saved tensors go to the host, but those in use and in flight
+        top = set(sorted(range(len(kept)), key=lambda i: -kept[i])[:OFFLOAD_KEPT_BLOCKS])
+        kept = [k if i in top else 0.0 for i, k in enumerate(kept)]
+    working = [t * acts.saved[i] * WORKING_SET_FACTOR if id(b) in ckpt else 0.0
+               for i, b in enumerate(model.blocks)]
+    grads = _grads_by_block(model, plans, shapes.blocks)
+    loss = _loss_chunk(cfg, shapes) + t * acts.outside
+    outside_grads = grads[-1]
+    phases = [("loss", sum(kept) + loss, outside_grads if _head_trains(plans) else 0.0)]
+    for i in reversed(range(shapes.blocks)):
+        phases.append((f"block {i}", sum(kept[:i]) + working[i] + t * acts.outside,
+                       sum(grads[i:shapes.blocks]) + outside_grads))
+    phases.append(("optimizer", 0.0, sum(grads)))
+    _, acts_bytes, grad_bytes = max(phases, key=lambda ph: ph[1] + ph[2])
+    at_peak = max(phases, key=lambda ph: ph[1] + ph[2])[0]
+    kept_part = sum(kept) if at_peak == "loss" else sum(kept[:int(at_peak.split()[1])]) if at_peak != "optimizer" else 0
+    return {
+        "checkpointed activations": kept_part,
+        "recompute working set": acts_bytes - kept_part - (loss if at_peak == "loss" else 0),
+        "loss chunk": loss if at_peak == "loss" else 0.0,
+        "gradients": 0.0 if cfg.parallel.cpu_offload else grad_bytes,
+    }
+
+
+def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: _Shapes) -> list[float]:
+    """What each block keeps from forward to backward (bytes): a checkpointed block its input (and under
+    ac_save_projections, where its checkpoint is traced, the projections), any other block all it saves."""
+    p, t = cfg.parallel, shapes.tokens
+    ckpt = {id(b) for b in checkpointed_blocks(model.blocks, p)}
+    projections = _traced(cfg, shapes.world) and p.ac_save_projections
+    return [t * (acts.block_input + (acts.projections[i] if projections else 0)) if id(b) in ckpt
+            else t * acts.saved[i] for i, b in enumerate(model.blocks)]
+
+
+def _traced(cfg: Config, world: int) -> bool:
+    return not checkpoint_trace_unmet(cfg.parallel, cfg.train.train_type, cfg.lora.dropout, world)
+
+
+def _head_trains(plans: list[TensorPlan]) -> bool:
+    return any(p.trainable and "lm_head" in p.name for p in plans)
+
+
+def _grads_by_block(model: Skeleton, plans: list[TensorPlan], blocks: int) -> list[float]:
+    """Gradient bytes of each block, then of everything outside the blocks (last)."""
+    index = _block_index(model)
+    grads = [0.0] * (blocks + 1)
+    for plan in plans:
+        if plan.trainable:
+            grads[index.get(plan.name, blocks)] += plan.stored_bytes
+    return grads
+
+
+def _loss_chunk(cfg: Config, shapes: _Shapes) -> float:
+    """The head's logits of one loss chunk (train/loss.py): in the compute dtype, their fp32 copy and its
+    gradient; all the micro-batch's tokens at once when loss_chunk_tokens is 0."""
+    chunk = cfg.train.loss_chunk_tokens or shapes.tokens
+    chunk = min(chunk, shapes.tokens)
+    return chunk * shapes.vocab * (shapes.compute + 4 + 4) + shapes.tokens * shapes.hidden * shapes.compute
+
+
+def _comm_buffers(model: Skeleton, cfg: Config, plans: list[TensorPlan]) -> float:
+    """The reduce-scatter of one block's gradients: the block's whole gradients in the reduce dtype."""
+    index = _block_index(model)
+    reduce = precision(cfg).reduce.itemsize
+    per_block: dict[int, float] = {}
+    for plan in plans:
+        if plan.trainable and plan.holder == "fsdp" and plan.name in index:
+            i = index[plan.name]
+            per_block[i] = per_block.get(i, 0) + plan.full_bytes // plan.dtype.itemsize * reduce
+    return max(per_block.values(), default=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host memory.
+
+
+def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations, shapes: _Shapes,
+                machine: Machine) -> tuple[dict[str, float], float]:
+    """A node's host memory while training, by part, and its peak while loading (bytes)."""
+    ranks = machine.gpus_per_node
+    sizes = state_sizes(plans)
+    pinned = sum(_pinned(p.stored_bytes) for p in plans if p.on_host and p.holder == "fsdp")
+    if cfg.parallel.quant_sharding == "dtensor" and cfg.parallel.cpu_offload:
+        pinned += sum(_pinned(b) for b in storage_block_bytes(plans, model))
+    trained = [p for p in plans if p.trainable and p.on_host]
+    offloaded_acts = 0.0
+    if cfg.parallel.activation_offload:
+        offloaded_acts = sum(_pinned(k) for k in _kept_per_block(model, cfg, acts, shapes))
+    parts = {
+        "process and libraries": HOST_BASE_GIB * GIB * ranks,
+        "offloaded weights (pinned)": pinned * ranks,
+        "offloaded gradients": sum(p.stored_bytes for p in trained) * ranks,
+        "offloaded AdamW state": (sizes.optimizer if sizes.on_host else 0) * ranks,
+        "offloaded activations (pinned)": offloaded_acts * ranks,
+    }
+    largest = max((p.full_bytes for p in plans), default=0)
+    # Loading: each rank's offloaded shards exist from the start; a tensor read, and the next read ahead.
+    loading = parts["process and libraries"] + parts["offloaded weights (pinned)"] + 2 * largest * ranks
+    return parts, loading
+
+
+def _pinned(nbytes: float) -> float:
+    """torch's pinned-memory allocator rounds each allocation up to a power of two."""
+    return float(1 << max(0, int(nbytes - 1).bit_length())) if nbytes > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step time: a roofline of the matmuls, attention, dequantization, links, and the host's own work.
+
+
+def _step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: _Shapes, machine: Machine,
+                acts: BlockActivations) -> dict[str, float]:
+    """Seconds per optimizer step, by part (their sum is the step)."""
+    g, p = machine.gpu, cfg.parallel
+    micro = cfg.train.grad_accum
+    ckpt = len(checkpointed_blocks(model.blocks, p)) / max(shapes.blocks, 1)
+    frozen, trained, quantized = _linear_params(model)
+    t = shapes.tokens
+    # Forward 2 FLOPs per weight and token, the input's gradient 2, the weight's gradient 2 where it trains;
+    # checkpointed blocks run their forward again in backward.
+    matmul = t * (2 * (frozen + trained) * (2 + ckpt) + 2 * trained)
+    head = t * shapes.vocab * shapes.hidden * (2 * 3 + (2 if _head_trains(plans) else 0))
+    # Causal attention: QK^T and PV, half the matrix; backward about 2.5 forwards; once more if recomputed.
+    attention = 2 * t * shapes.seq * shapes.attn_dim * shapes.blocks * (1 + 2.5 + ckpt)
+    compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
+        attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
+    dequant = quantized * (2 + ckpt) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
+    gpu = compute + dequant
+    host = shapes.blocks * hardware.HOST_PER_BLOCK_S[p.compile]
+    link = _link_seconds(model, cfg, plans, machine)
+    pcie = _pcie_seconds(model, cfg, plans, shapes, machine, acts)
+    busy = max(gpu, host, link, pcie)
+    times = {
+        "compute": gpu * micro,
+        "host-bound (kernel launches)": (max(host, gpu) - gpu) * micro,
+        "exposed communication": (max(link, pcie, gpu, host) - max(gpu, host)) * micro,
+        "fixed per step": hardware.STEP_FIXED_S,
+    }
+    trained_host = sum(x.local_rows * x.row_bytes // x.dtype.itemsize for x in plans if x.trainable and x.on_host)
+    times["host AdamW"] = trained_host / hardware.HOST_ADAM_PARAMS_PER_S
+    assert busy >= gpu
+    return times
+
+
+def _linear_params(model: Skeleton) -> tuple[int, int, int]:
+    """Weights of the blocks' matmuls: frozen, trained, and of those frozen the quantized ones."""
+    frozen = trained = quantized = 0
+    for block in model.blocks:
+        for module in block.modules():
+            if isinstance(module, QuantizedLinear):
+                frozen += module.in_features * module.out_features
+                quantized += module.in_features * module.out_features
+            elif isinstance(module, nn.Linear):
+                n = module.in_features * module.out_features
+                if module.weight.requires_grad:
+                    trained += n
+                else:
+                    frozen += n
+            elif isinstance(module, LoRALinear):
+                trained += module.rank * (module.in_features + module.out_features)
+    return frozen, trained, quantized
+
+
+def _link_seconds(model: Skeleton, cfg: Config, plans: list[TensorPlan], machine: Machine) -> float:
+    """All-gathers of the sharded weights (forward, and again in backward unless grad_op) and the reduction
+    of the gradients, per micro-batch, over the GPU links; replicas all-reduce over the network."""
+    mesh = plan_mesh(cfg, machine.world_size)
+    g = machine.gpu
+    if mesh.shard == 1 and mesh.replicas == 1:
+        return 0.0
+    share = (mesh.shard - 1) / mesh.shard
+    gathers = 2 if reshard_after_forward(cfg.parallel) else 1
+    weights = sum(p.full_bytes for p in plans if p.holder != "in_place")
+    grads = sum(p.full_bytes // p.dtype.itemsize * precision(cfg).reduce.itemsize for p in plans if p.trainable)
+    intra = (weights * gathers + grads) * share
+    across = grads / mesh.shard * 2 * (mesh.replicas - 1) / mesh.replicas
+    link_bw = g.link_gbs if machine.nodes == 1 or mesh.shard <= machine.gpus_per_node else g.net_gbs
+    net_bw = g.net_gbs if machine.nodes > 1 else g.link_gbs
+    return intra / (link_bw * 1e9 * hardware.COPY_EFFICIENCY) + across / (net_bw * 1e9 * hardware.COPY_EFFICIENCY)
+
+
+def _pcie_seconds(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: _Shapes, machine: Machine,
+                  acts: BlockActivations) -> float:
+    """Host <-> GPU copies per micro-batch: offloaded shards in for every gather (the DTensor window for each
+    pass), gradients out, and offloaded activations out and back."""
+    p = cfg.parallel
+    copied = 0.0
+    if p.cpu_offload:
+        passes = 2 if reshard_after_forward(p) else 1
+        dtensor = sum(x.local_bytes for x in plans if x.on_host and x.holder == "dtensor")
+        fsdp = sum(x.stored_bytes for x in plans if x.on_host and x.holder == "fsdp")
+        copied += fsdp * passes + dtensor * 3 + sum(x.stored_bytes for x in plans if x.trainable and x.on_host)
+    if p.activation_offload:
+        copied += 2 * sum(_kept_per_block(model, cfg, acts, shapes))
+    return copied / (machine.gpu.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)
+
+
+def _notes(cfg: Config, world: int) -> list[str]:
+    notes = []
+    if cfg.parallel.ac_save_projections and not _traced(cfg, world):
+        notes.append("parallel.ac_save_projections has no effect here (no block's checkpoint is traced)")
+    return notes

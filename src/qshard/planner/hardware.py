@@ -1,0 +1,58 @@
+"""The machines `qshard plan` predicts for: a small table of GPU kinds (peak dense bf16 matmul rate, memory and
+its bandwidth, host link, GPU-to-GPU link), and the efficiencies that turn peaks into what qshard reaches."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from qshard.errors import QShardError
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float  # what torch reports as the device's total memory
+    tflops: float  # peak dense bf16 matmul TFLOP/s
+    hbm_gbs: float  # device memory bandwidth, GB/s
+    pcie_gbs: float  # host <-> device, GB/s per direction, as pinned copies reach it
+    link_gbs: float  # GPU <-> GPU within a node (NVLink, or PCIe without it), GB/s per direction
+    net_gbs: float = 50.0  # GPU <-> GPU across nodes (e.g. 400 Gb/s InfiniBand per GPU)
+
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU("h200", 139.8, 989.0, 4800.0, 50.0, 450.0),
+    GPU("h100", 79.1, 989.0, 3350.0, 50.0, 450.0),
+    GPU("h100-pcie", 79.1, 756.0, 2000.0, 50.0, 50.0),
+    GPU("b200", 178.0, 2250.0, 8000.0, 50.0, 900.0),
+    GPU("a100", 79.2, 312.0, 2039.0, 24.0, 300.0),
+    GPU("a100-40", 39.4, 312.0, 1555.0, 24.0, 300.0),
+    GPU("l40s", 44.4, 362.0, 864.0, 24.0, 24.0, 12.5),
+    GPU("a6000", 47.5, 155.0, 768.0, 24.0, 24.0, 12.5),
+    GPU("4090", 23.6, 165.0, 1008.0, 24.0, 24.0, 12.5),
+    GPU("3090", 23.6, 71.0, 936.0, 24.0, 24.0, 12.5),
+)}
+
+# Fractions of the peaks that training reaches: the matmuls of a block (measured 687-716 of 989 TFLOP/s on an
+# H200), fused attention, and the copies (device memory, host link, GPU links).
+MATMUL_EFFICIENCY = 0.71
+ATTENTION_EFFICIENCY = 0.53
+COPY_EFFICIENCY = 0.8
+# Host work per block per step that bounds the step when kernels are small (eager: one launch per op), seconds;
+# and the fixed cost of a step (loss, clipping, optimizer launch, logging), seconds.
+HOST_PER_BLOCK_S = {True: 0.002, False: 0.0132}  # compiled, eager
+STEP_FIXED_S = 0.03
+# AdamW on the host (cpu_offload): parameters stepped per second by torch's foreach implementation.
+HOST_ADAM_PARAMS_PER_S = 0.5e9
+
+
+def gpu(kind: str, memory_gib: float | None = None) -> GPU:
+    """The table's entry for `kind`, with `memory_gib` in place of its memory if given (a cap, a smaller card)."""
+    if kind not in GPUS:
+        raise QShardError(f"--gpu-kind: unknown GPU '{kind}' (known: {', '.join(GPUS)})")
+    found = GPUS[kind]
+    if memory_gib is not None:
+        if memory_gib <= 0:
+            raise QShardError(f"--gpu-mem must be > 0 GiB, got {memory_gib}")
+        found = dataclasses.replace(found, memory_gib=memory_gib)
+    return found
