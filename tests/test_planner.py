@@ -26,6 +26,9 @@ H200_8B = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "6
 MEASURED = [
     (["--seq", "2048", "--parallel.compile", "true"], 9.12, 9900),
     (["--seq", "2048"], None, 4544),
+    (["--seq", "2048", "--parallel.compile", "true", "--parallel.ac_save_projections", "true"], 10.19, None),
+    (["--seq", "8192", "--parallel.compile", "true", "--train.loss_chunk_tokens", "1024"], 12.31, 9905),
+    (["--seq", "262144", "--parallel.activation_offload", "true"], 87.6, None),
     (["--seq", "65536"], 43.5, 4621),
     (["--seq", "65536", "--parallel.activation_offload", "true"], 28.6, None),
     (["--seq", "131072"], 79.0, 2756),

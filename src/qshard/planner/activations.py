@@ -33,7 +33,10 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        # [batch, seq, heads, dim] in memory, as the kernels write it: the transpose transformers then makes
+        # contiguous for the output projection is free, not a copy that the projection would save.
+        batch, heads, length, _ = q.shape
+        out = q.new_empty(batch, length, heads, v.shape[-1]).transpose(1, 2)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -112,9 +115,13 @@ def _saved_bytes(model: Skeleton, length: int, dtype: torch.dtype) -> tuple[list
                     stack.enter_context(mock.patch.object(module, name, lambda *a, **k: None))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             ids = torch.zeros(1, length, dtype=torch.long, device="meta")
-            # The embedding's output requires grad, as when it or anything after it trains.
-            states = embed(ids).to(dtype).requires_grad_(True)
-            base_model(inputs_embeds=states, use_cache=False)
+            # The blocks' first input requires grad only where the embedding trains (as in training).
+            states = embed(ids).to(dtype).requires_grad_(embed.weight.requires_grad)
+            # Trained weights kept in a wider master dtype compute in the compute dtype, cast by FSDP2's policy.
+            cast = {n: w.to(dtype) for n, w in base_model.named_parameters()
+                    if w.is_floating_point() and w.dtype != dtype}
+            kwargs = {"inputs_embeds": states, "use_cache": False}
+            torch.func.functional_call(base_model, cast, (), kwargs, strict=False)
     finally:
         for handle in handles:
             handle.remove()
