@@ -26,7 +26,7 @@ H200_8B = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "6
 MEASURED = [
     (["--seq", "2048", "--parallel.compile", "true"], 9.12, 9900),
     (["--seq", "2048"], None, 4544),
-    (["--seq", "2048", "--parallel.compile", "true", "--parallel.ac_save_projections", "true"], 10.19, None),
+    (["--seq", "2048", "--parallel.compile", "true", "--parallel.ac_save_projections", "true"], 10.19, 10696),
     (["--seq", "8192", "--parallel.compile", "true", "--train.loss_chunk_tokens", "1024"], 12.31, 9905),
     (["--seq", "262144", "--parallel.activation_offload", "true"], 87.6, None),
     (["--seq", "65536"], 43.5, 4621),
@@ -79,6 +79,17 @@ def test_fit_finds_the_fastest_settings_that_fit_8b_at_32k_on_24_gib(capsys):
     again = _plan(capsys, "--model.shape", "llama3-8b", "--gpu-kind", "4090", "--seq", "32768", "--lora-rank", "16",
                   "--parallel.activation_checkpointing", "false", *best)
     assert again["fits"] is True and again["tok_s"] == pytest.approx(speeds[0], rel=1e-3)
+
+
+def test_a_model_directory_with_new_tokens_trained_in_full(capsys, tiny_models):
+    model_dir = str(tiny_models("llama"))
+    base = _plan(capsys, "--model", model_dir, "--seq", "64", "--gpus", "2")
+    grown = _plan(capsys, "--model", model_dir, "--seq", "64", "--gpus", "2", "--data.add_special_tokens",
+                  "[<tool>, <end_tool>]", "--lora.modules_to_save", "[embed_tokens, lm_head]")
+    assert base["parts"]["embedding and head"] > 0 and grown["parts"]["embedding and head"] == 0
+    parts, before = grown["parts"], base["parts"]
+    assert parts["trained weights"] > before["trained weights"] + before["embedding and head"] / 2  # fp32 masters
+    assert parts["AdamW state"] == pytest.approx(2 * parts["trained weights"], rel=0.05)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -130,20 +130,31 @@ def _saved_bytes(model: Skeleton, length: int, dtype: torch.dtype) -> tuple[list
 
 def _projection_bytes(block: nn.Module, dtype: torch.dtype) -> int:
     """Per token, what a traced checkpoint keeps under ac_save_projections (parallel/checkpointing.py,
-    _narrowing_matmul): the outputs of narrowing matmuls that backward reads (attention's q/k/v, every adapter's A
-    factor; not the projections back into the residual stream, whose outputs only a sum reads), and attention's
-    output, which a GPU's compiled graph then keeps too."""
-    total = attention = 0
+    _narrowing_matmul): the outputs of the narrowing matmuls that backward reads (`kept_projections`), and
+    attention's output, which a GPU's compiled graph then keeps too."""
+    widths = sum(width for _, width, _ in kept_projections(block))
+    attention = max((m.in_features for name, m in block.named_modules()
+                     if _leaf(name) in _ATTENTION_OUTPUTS and hasattr(m, "in_features")), default=0)
+    return (widths + attention) * dtype.itemsize
+
+
+def kept_projections(block: nn.Module) -> list[tuple[str, int, int]]:
+    """(name, output width, weights) of each matmul of `block` whose output ac_save_projections keeps: the
+    narrowing ones (output no wider than the input: attention's q/k/v, every adapter's A factor), but not the
+    projections back into the residual stream, whose outputs only a sum reads."""
+    found = []
     for name, module in block.named_modules():
         if isinstance(module, LoRALinear):
-            total += module.rank
-        elif isinstance(module, (nn.Linear, QuantizedLinear)) and module.out_features <= module.in_features:
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in _RESIDUAL_PROJECTIONS:
-                attention = max(attention, module.in_features) if leaf in _ATTENTION_OUTPUTS else attention
-            else:
-                total += module.out_features
-    return (total + attention) * dtype.itemsize
+            found.append((name, module.rank, module.rank * module.in_features))
+        elif isinstance(module, (nn.Linear, QuantizedLinear)) and module.out_features <= module.in_features \
+                and _leaf(name) not in _RESIDUAL_PROJECTIONS:
+            found.append((name, module.out_features, module.out_features * module.in_features))
+    return found
+
+
+def _leaf(name: str) -> str:
+    """A linear's own name in its block, for the frozen base inside an adapter too."""
+    return name.removesuffix(".base").rsplit(".", 1)[-1]
 
 
 # The leaf names of the projections back into the residual stream across the architectures transformers ships,

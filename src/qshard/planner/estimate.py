@@ -14,7 +14,7 @@ from qshard.config import Config, checkpoint_trace_unmet
 from qshard.parallel.checkpointing import checkpointed_blocks
 from qshard.parallel.fsdp import reshard_after_forward
 from qshard.planner import hardware
-from qshard.planner.activations import BlockActivations, probe_activations
+from qshard.planner.activations import BlockActivations, kept_projections, probe_activations
 from qshard.planner.hardware import GPU
 from qshard.planner.layout import TensorPlan, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
 from qshard.precision import precision
@@ -82,13 +82,13 @@ class Estimate:
         m = self.machine
         return {
             "fits": self.fits, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
-            "peak_gpu_gib": round(self.peak_gpu_gib, 3),
-            "peak_gpu_gib_per_rank": [round(x, 3) for x in self.peak_gpu_gib_per_rank],
+            "peak_gpu_gib": round(self.peak_gpu_gib, 6),
+            "peak_gpu_gib_per_rank": [round(x, 6) for x in self.peak_gpu_gib_per_rank],
             "gpu_mem_gib": m.gpu.memory_gib, "peak_host_gib": round(self.peak_host_gib, 3),
             "loading_host_gib": round(self.loading_host_gib, 3), "host_mem_gib": m.host_mem_gib,
             "tok_s": round(self.tok_s, 1), "step_s": round(self.step_s, 4), "tokens_per_step": self.tokens_per_step,
-            "parts": {k: round(v, 4) for k, v in self.parts.items()},
-            "host_parts": {k: round(v, 4) for k, v in self.host_parts.items()},
+            "parts": {k: round(v, 6) for k, v in self.parts.items()},
+            "host_parts": {k: round(v, 6) for k, v in self.host_parts.items()},
             "time_parts": {k: round(v, 5) for k, v in self.time_parts.items()},
             "gpu_kind": m.gpu.name, "nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "notes": self.notes,
         }
@@ -216,33 +216,27 @@ def _largest_dequantized(model: Skeleton, shapes: _Shapes) -> float:
 
 def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations,
                        shapes: _Shapes) -> dict[str, float]:
-    """The activations, loss chunk and gradients at the step's peak: the loss (every block's checkpoint kept),
-    or backward through block i (the checkpoints before it, its working set, the gradients after it)."""
+    """The activations, loss chunk and gradients at the step's peak phase: the loss (what every block keeps for
+    backward), or backward through block i (what the blocks before it keep, block i's working set: its saved
+    tensors, recomputed or kept, with the gradients of its intermediates; the gradients of the blocks after it),
+    or the optimizer step (every gradient)."""
     p, t = cfg.parallel, shapes.tokens
-    ckpt = {id(b) for b in checkpointed_blocks(model.blocks, p)}
     kept = _kept_per_block(model, cfg, acts, shapes)
     if p.activation_offload:  # every block's saved tensors go to the host, but those in use and in flight
         top = set(sorted(range(len(kept)), key=lambda i: -kept[i])[:OFFLOAD_KEPT_BLOCKS])
         kept = [k if i in top else 0.0 for i, k in enumerate(kept)]
-    working = [t * acts.saved[i] * WORKING_SET_FACTOR if id(b) in ckpt else 0.0
-               for i, b in enumerate(model.blocks)]
-    grads = _grads_by_block(model, plans, shapes.blocks)
-    loss = _loss_chunk(cfg, shapes) + t * acts.outside
-    outside_grads = grads[-1]
-    phases = [("loss", sum(kept) + loss, outside_grads if _head_trains(plans) else 0.0)]
+    grads = [0.0] * (shapes.blocks + 1) if p.cpu_offload else _grads_by_block(model, plans, shapes.blocks)
+    outside = t * acts.outside
+    loss = _loss_chunk(cfg, shapes) + outside
+    # (kept by the blocks, working set, loss chunk, gradients) of each phase
+    phases = [(sum(kept), 0.0, loss, grads[-1] if _head_trains(plans) else 0.0)]
     for i in reversed(range(shapes.blocks)):
-        phases.append((f"block {i}", sum(kept[:i]) + working[i] + t * acts.outside,
-                       sum(grads[i:shapes.blocks]) + outside_grads))
-    phases.append(("optimizer", 0.0, sum(grads)))
-    _, acts_bytes, grad_bytes = max(phases, key=lambda ph: ph[1] + ph[2])
-    at_peak = max(phases, key=lambda ph: ph[1] + ph[2])[0]
-    kept_part = sum(kept) if at_peak == "loss" else sum(kept[:int(at_peak.split()[1])]) if at_peak != "optimizer" else 0
-    return {
-        "checkpointed activations": kept_part,
-        "recompute working set": acts_bytes - kept_part - (loss if at_peak == "loss" else 0),
-        "loss chunk": loss if at_peak == "loss" else 0.0,
-        "gradients": 0.0 if cfg.parallel.cpu_offload else grad_bytes,
-    }
+        working = t * acts.saved[i] * WORKING_SET_FACTOR + outside
+        phases.append((sum(kept[:i]), working, 0.0, sum(grads[i:])))
+    phases.append((0.0, 0.0, 0.0, sum(grads)))
+    kept_at, working_at, loss_at, grads_at = max(phases, key=sum)
+    return {"checkpointed activations": kept_at, "recompute working set": working_at, "loss chunk": loss_at,
+            "gradients": grads_at}
 
 
 def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: _Shapes) -> list[float]:
@@ -344,7 +338,11 @@ def _step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: _
     matmul = t * (2 * (frozen + trained) * (2 + ckpt) + 2 * trained)
     head = t * shapes.vocab * shapes.hidden * (2 * 3 + (2 if _head_trains(plans) else 0))
     # Causal attention: QK^T and PV, half the matrix; backward about 2.5 forwards; once more if recomputed.
-    attention = 2 * t * shapes.seq * shapes.attn_dim * shapes.blocks * (1 + 2.5 + ckpt)
+    recomputed_attention = ckpt
+    if _traced(cfg, shapes.world) and p.ac_save_projections:  # kept, not recomputed: the projections, attention
+        matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
+        recomputed_attention = 0.0
+    attention = 2 * t * shapes.seq * shapes.attn_dim * shapes.blocks * (1 + 2.5 + recomputed_attention)
     compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
         attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
     dequant = quantized * (2 + ckpt) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
