@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from qshard.adapters import LoRALinear
-from qshard.build import Skeleton
+from qshard.build import Skeleton, random_init
 from qshard.config import Config, checkpoint_trace_unmet
+from qshard.loading.read_ahead import CUDA_STAGING_BYTES
 from qshard.parallel.checkpointing import checkpointed_blocks
 from qshard.parallel.fsdp import reshard_after_forward
 from qshard.planner import hardware
@@ -310,9 +311,10 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
         "offloaded AdamW state": (sizes.optimizer if sizes.on_host else 0) * ranks,
         "offloaded activations (pinned)": offloaded_acts * ranks,
     }
-    largest = max((p.full_bytes for p in plans), default=0)
-    # Loading: each rank's offloaded shards exist from the start; a tensor read, and the next read ahead.
-    loading = parts["process and libraries"] + parts["offloaded weights (pinned)"] + 2 * largest * ranks
+    # Loading: each rank's offloaded shards exist from the start, and a checkpoint's tensors pass through the
+    # read-ahead's ring of pinned buffers (loading/read_ahead.py); random weights are generated on the GPU.
+    ring = 0 if random_init(cfg) else CUDA_STAGING_BYTES
+    loading = parts["process and libraries"] + parts["offloaded weights (pinned)"] + ring * ranks
     return parts, loading
 
 
@@ -354,7 +356,7 @@ def _step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: _
     times = {
         "compute": gpu * micro,
         "host-bound (kernel launches)": (max(host, gpu) - gpu) * micro,
-        "exposed communication": (max(link, pcie, gpu, host) - max(gpu, host)) * micro,
+        "exposed communication (links, PCIe)": (max(link, pcie, gpu, host) - max(gpu, host)) * micro,
         "fixed per step": hardware.STEP_FIXED_S,
     }
     trained_host = sum(x.local_rows * x.row_bytes // x.dtype.itemsize for x in plans if x.trainable and x.on_host)
