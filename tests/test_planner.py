@@ -110,8 +110,7 @@ def test_bad_input_is_one_line(capsys, args, message):
 
 def test_train_warns_before_loading_or_applies_the_fit():
     from qshard.planner.command import preflight
-    from qshard.planner.estimate import Machine
-    from qshard.planner.hardware import gpu
+    from qshard.planner.hardware import Machine, gpu
 
     lines = LogLines()
     logging.getLogger("qshard").addHandler(lines)

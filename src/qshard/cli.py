@@ -348,8 +348,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         if value is not None and value <= 0:
             raise QShardError(f"{flag} must be > 0, got {value}")
     from qshard.planner.command import run_plan
-    from qshard.planner.estimate import Machine
-    from qshard.planner.hardware import gpu
+    from qshard.planner.hardware import Machine, gpu
 
     if args.host_mem is not None and args.host_mem <= 0:
         raise QShardError(f"--host-mem must be > 0 GiB, got {args.host_mem}")

@@ -13,9 +13,9 @@ import torch
 from qshard.build import Skeleton, skeleton, training_tokenizer
 from qshard.config import Config
 from qshard.errors import QShardError
-from qshard.planner.estimate import Estimate, Machine, estimate
+from qshard.planner.estimate import Estimate, estimate
 from qshard.planner.fit import Candidate, search
-from qshard.planner.hardware import GPUS, gpu
+from qshard.planner.hardware import GPUS, Machine, gpu
 
 log = logging.getLogger("qshard")
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch.nn as nn
-
-from qshard.adapters import LoRALinear
 from qshard.build import Skeleton, random_init
 from qshard.config import Config, checkpoint_trace_unmet
 from qshard.loading.read_ahead import CUDA_STAGING_BYTES
 from qshard.parallel.checkpointing import checkpointed_blocks
 from qshard.parallel.fsdp import reshard_after_forward
-from qshard.planner import hardware
-from qshard.planner.activations import BlockActivations, kept_projections, probe_activations
-from qshard.planner.hardware import GPU
+from qshard.planner.activations import BlockActivations, probe_activations
+from qshard.planner.hardware import Machine
 from qshard.planner.layout import TensorPlan, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
+from qshard.planner.speed import head_trains, step_times
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
 
@@ -31,20 +28,6 @@ OFFLOAD_KEPT_BLOCKS = 2
 ALLOCATOR_RESERVE = 0.03
 # Host memory of a training process before any model state: CUDA context, torch and its libraries, the data.
 HOST_BASE_GIB = 4.0
-
-
-@dataclass
-class Machine:
-    """What the run is predicted on."""
-
-    gpu: GPU
-    nodes: int = 1
-    gpus_per_node: int = 1
-    host_mem_gib: float | None = None  # per node; None: not checked
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
 
 
 @dataclass
@@ -108,14 +91,16 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
     if key not in cache:
         cache[key] = [tensor_layout(model, cfg, world, rank) for rank in range(mesh.shard)]
     layouts = cache[key]
-    shapes = _Shapes(model, cfg, seq, world)
+    shapes = Shapes(model, cfg, seq, world)
     peaks, parts = [], None
     for plans in layouts:
         rank_parts = _gpu_parts(model, cfg, plans, acts, shapes)
         peaks.append(sum(rank_parts.values()) / GIB)
         parts = parts if parts is not None and sum(parts.values()) >= sum(rank_parts.values()) else rank_parts
     host_parts, loading = _host_parts(model, cfg, layouts[0], acts, shapes, machine)
-    times = _step_times(model, cfg, layouts[0], shapes, machine, acts)
+    offloaded = sum(_kept_per_block(model, cfg, acts, shapes)) if cfg.parallel.activation_offload else 0.0
+    times = step_times(model, cfg, layouts[0], shapes, machine, offloaded,
+                       _traced(cfg, world) and cfg.parallel.ac_save_projections)
     step = sum(times.values())
     tokens = shapes.tokens * cfg.train.grad_accum * world
     return Estimate(
@@ -129,7 +114,7 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
     )
 
 
-class _Shapes:
+class Shapes:
     """The sizes the formulas read, from the skeleton's config and the run's options."""
 
     def __init__(self, model: Skeleton, cfg: Config, seq: int, world: int) -> None:
@@ -159,7 +144,7 @@ def _block_index(model: Skeleton) -> dict[str, int]:
 
 
 def _gpu_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations,
-               shapes: _Shapes) -> dict[str, float]:
+               shapes: Shapes) -> dict[str, float]:
     """One rank's GPU memory at its peak, by part, in bytes."""
     sizes = state_sizes(plans)
     w = sizes.weights
@@ -179,7 +164,7 @@ def _gpu_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Bloc
     return parts
 
 
-def _gathered(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: _Shapes) -> float:
+def _gathered(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Shapes) -> float:
     """Blocks' weights gathered by FSDP2 at once: the block running and the one prefetched (every block under
     grad_op, which keeps them from forward to backward), and the head, which stays gathered for the loss;
     storage in DTensor buffers is gathered a layer at a time."""
@@ -203,20 +188,20 @@ def _gathered(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: _Sh
     return sum(per_block[:in_flight]) + rest + 2 * layer
 
 
-def _gathered_itemsize(plan: TensorPlan, cfg: Config, shapes: _Shapes) -> int:
+def _gathered_itemsize(plan: TensorPlan, cfg: Config, shapes: Shapes) -> int:
     # Units of quantized blocks cast nothing (their adapters travel as fp32 masters); the others cast to compute.
     if cfg.train.train_type in ("qlora", "qdora") and plan.trainable:
         return plan.dtype.itemsize
     return shapes.compute
 
 
-def _largest_dequantized(model: Skeleton, shapes: _Shapes) -> float:
+def _largest_dequantized(model: Skeleton, shapes: Shapes) -> float:
     sizes = [m.in_features * m.out_features for m in model.model.modules() if isinstance(m, QuantizedLinear)]
     return max(sizes, default=0) * shapes.compute
 
 
 def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations,
-                       shapes: _Shapes) -> dict[str, float]:
+                       shapes: Shapes) -> dict[str, float]:
     """The activations, loss chunk and gradients at the step's peak phase: the loss (what every block keeps for
     backward), or backward through block i (what the blocks before it keep, block i's working set: its saved
     tensors, recomputed or kept, with the gradients of its intermediates; the gradients of the blocks after it),
@@ -230,7 +215,7 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     outside = t * acts.outside
     loss = _loss_chunk(cfg, shapes) + outside
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
-    phases = [(sum(kept), 0.0, loss, grads[-1] if _head_trains(plans) else 0.0)]
+    phases = [(sum(kept), 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
     for i in reversed(range(shapes.blocks)):
         working = t * acts.saved[i] * WORKING_SET_FACTOR + outside
         phases.append((sum(kept[:i]), working, 0.0, sum(grads[i:])))
@@ -240,7 +225,7 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
             "gradients": grads_at}
 
 
-def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: _Shapes) -> list[float]:
+def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> list[float]:
     """What each block keeps from forward to backward (bytes): a checkpointed block its input (and under
     ac_save_projections, where its checkpoint is traced, the projections), any other block all it saves."""
     p, t = cfg.parallel, shapes.tokens
@@ -254,10 +239,6 @@ def _traced(cfg: Config, world: int) -> bool:
     return not checkpoint_trace_unmet(cfg.parallel, cfg.train.train_type, cfg.lora.dropout, world)
 
 
-def _head_trains(plans: list[TensorPlan]) -> bool:
-    return any(p.trainable and "lm_head" in p.name for p in plans)
-
-
 def _grads_by_block(model: Skeleton, plans: list[TensorPlan], blocks: int) -> list[float]:
     """Gradient bytes of each block, then of everything outside the blocks (last)."""
     index = _block_index(model)
@@ -268,7 +249,7 @@ def _grads_by_block(model: Skeleton, plans: list[TensorPlan], blocks: int) -> li
     return grads
 
 
-def _loss_chunk(cfg: Config, shapes: _Shapes) -> float:
+def _loss_chunk(cfg: Config, shapes: Shapes) -> float:
     """The head's logits of one loss chunk (train/loss.py): in the compute dtype, their fp32 copy and its
     gradient; all the micro-batch's tokens at once when loss_chunk_tokens is 0."""
     chunk = cfg.train.loss_chunk_tokens or shapes.tokens
@@ -292,7 +273,7 @@ def _comm_buffers(model: Skeleton, cfg: Config, plans: list[TensorPlan]) -> floa
 # Host memory.
 
 
-def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations, shapes: _Shapes,
+def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations, shapes: Shapes,
                 machine: Machine) -> tuple[dict[str, float], float]:
     """A node's host memory while training, by part, and its peak while loading (bytes)."""
     ranks = machine.gpus_per_node
@@ -321,101 +302,6 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
 def _pinned(nbytes: float) -> float:
     """torch's pinned-memory allocator rounds each allocation up to a power of two."""
     return float(1 << max(0, int(nbytes - 1).bit_length())) if nbytes > 0 else 0.0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Step time: a roofline of the matmuls, attention, dequantization, links, and the host's own work.
-
-
-def _step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: _Shapes, machine: Machine,
-                acts: BlockActivations) -> dict[str, float]:
-    """Seconds per optimizer step, by part (their sum is the step)."""
-    g, p = machine.gpu, cfg.parallel
-    micro = cfg.train.grad_accum
-    ckpt = len(checkpointed_blocks(model.blocks, p)) / max(shapes.blocks, 1)
-    frozen, trained, quantized = _linear_params(model)
-    t = shapes.tokens
-    # Forward 2 FLOPs per weight and token, the input's gradient 2, the weight's gradient 2 where it trains;
-    # checkpointed blocks run their forward again in backward.
-    matmul = t * (2 * (frozen + trained) * (2 + ckpt) + 2 * trained)
-    head = t * shapes.vocab * shapes.hidden * (2 * 3 + (2 if _head_trains(plans) else 0))
-    # Causal attention: QK^T and PV, half the matrix; backward about 2.5 forwards; once more if recomputed.
-    recomputed_attention = ckpt
-    if _traced(cfg, shapes.world) and p.ac_save_projections:  # kept, not recomputed: the projections, attention
-        matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
-        recomputed_attention = 0.0
-    attention = 2 * t * shapes.seq * shapes.attn_dim * shapes.blocks * (1 + 2.5 + recomputed_attention)
-    compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
-        attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
-    dequant = quantized * (2 + ckpt) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
-    gpu = compute + dequant
-    host = shapes.blocks * hardware.HOST_PER_BLOCK_S[p.compile]
-    link = _link_seconds(model, cfg, plans, machine)
-    pcie = _pcie_seconds(model, cfg, plans, shapes, machine, acts)
-    busy = max(gpu, host, link, pcie)
-    times = {
-        "compute": gpu * micro,
-        "host-bound (kernel launches)": (max(host, gpu) - gpu) * micro,
-        "exposed communication (links, PCIe)": (max(link, pcie, gpu, host) - max(gpu, host)) * micro,
-        "fixed per step": hardware.STEP_FIXED_S,
-    }
-    trained_host = sum(x.local_rows * x.row_bytes // x.dtype.itemsize for x in plans if x.trainable and x.on_host)
-    times["host AdamW"] = trained_host / hardware.HOST_ADAM_PARAMS_PER_S
-    assert busy >= gpu
-    return times
-
-
-def _linear_params(model: Skeleton) -> tuple[int, int, int]:
-    """Weights of the blocks' matmuls: frozen, trained, and of those frozen the quantized ones."""
-    frozen = trained = quantized = 0
-    for block in model.blocks:
-        for module in block.modules():
-            if isinstance(module, QuantizedLinear):
-                frozen += module.in_features * module.out_features
-                quantized += module.in_features * module.out_features
-            elif isinstance(module, nn.Linear):
-                n = module.in_features * module.out_features
-                if module.weight.requires_grad:
-                    trained += n
-                else:
-                    frozen += n
-            elif isinstance(module, LoRALinear):
-                trained += module.rank * (module.in_features + module.out_features)
-    return frozen, trained, quantized
-
-
-def _link_seconds(model: Skeleton, cfg: Config, plans: list[TensorPlan], machine: Machine) -> float:
-    """All-gathers of the sharded weights (forward, and again in backward unless grad_op) and the reduction
-    of the gradients, per micro-batch, over the GPU links; replicas all-reduce over the network."""
-    mesh = plan_mesh(cfg, machine.world_size)
-    g = machine.gpu
-    if mesh.shard == 1 and mesh.replicas == 1:
-        return 0.0
-    share = (mesh.shard - 1) / mesh.shard
-    gathers = 2 if reshard_after_forward(cfg.parallel) else 1
-    weights = sum(p.full_bytes for p in plans if p.holder != "in_place")
-    grads = sum(p.full_bytes // p.dtype.itemsize * precision(cfg).reduce.itemsize for p in plans if p.trainable)
-    intra = (weights * gathers + grads) * share
-    across = grads / mesh.shard * 2 * (mesh.replicas - 1) / mesh.replicas
-    link_bw = g.link_gbs if machine.nodes == 1 or mesh.shard <= machine.gpus_per_node else g.net_gbs
-    net_bw = g.net_gbs if machine.nodes > 1 else g.link_gbs
-    return intra / (link_bw * 1e9 * hardware.COPY_EFFICIENCY) + across / (net_bw * 1e9 * hardware.COPY_EFFICIENCY)
-
-
-def _pcie_seconds(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: _Shapes, machine: Machine,
-                  acts: BlockActivations) -> float:
-    """Host <-> GPU copies per micro-batch: offloaded shards in for every gather (the DTensor window for each
-    pass), gradients out, and offloaded activations out and back."""
-    p = cfg.parallel
-    copied = 0.0
-    if p.cpu_offload:
-        passes = 2 if reshard_after_forward(p) else 1
-        dtensor = sum(x.local_bytes for x in plans if x.on_host and x.holder == "dtensor")
-        fsdp = sum(x.stored_bytes for x in plans if x.on_host and x.holder == "fsdp")
-        copied += fsdp * passes + dtensor * 3 + sum(x.stored_bytes for x in plans if x.trainable and x.on_host)
-    if p.activation_offload:
-        copied += 2 * sum(_kept_per_block(model, cfg, acts, shapes))
-    return copied / (machine.gpu.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)
 
 
 def _notes(cfg: Config, world: int) -> list[str]:

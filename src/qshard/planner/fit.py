@@ -11,7 +11,8 @@ from qshard.build import Skeleton
 from qshard.config import QUANTIZED_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.planner.activations import probe_activations
-from qshard.planner.estimate import Estimate, Machine, estimate
+from qshard.planner.estimate import Estimate, estimate
+from qshard.planner.hardware import Machine
 
 LOSS_CHUNKS = (512, 1024, 2048)
 AC_EVERY = (1, 2, 4)

@@ -56,3 +56,17 @@ def gpu(kind: str, memory_gib: float | None = None) -> GPU:
             raise QShardError(f"--gpu-mem must be > 0 GiB, got {memory_gib}")
         found = dataclasses.replace(found, memory_gib=memory_gib)
     return found
+
+
+@dataclass
+class Machine:
+    """What the run is predicted on."""
+
+    gpu: GPU
+    nodes: int = 1
+    gpus_per_node: int = 1
+    host_mem_gib: float | None = None  # per node; None: not checked
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
