@@ -101,6 +101,7 @@ def test_a_model_directory_with_new_tokens_trained_in_full(capsys, tiny_models):
     (["--gpu-kind", "h100"], "give the model"),
     (["--model.shape", "llama3-8b", "--gpus", "0"], "--gpus must be > 0"),
     (["--model.shape", "llama3-8b", "--gpu-mem", "-1"], "--gpu-mem must be > 0"),
+    (["--model.shape", "llama3-8b", "--calibrate"], "--calibrate measures this machine's GPU, and there is none"),
 ])
 def test_bad_input_is_one_line(capsys, args, message):
     assert main(["plan", *args]) == 2
@@ -128,5 +129,7 @@ def test_train_warns_before_loading_or_applies_the_fit():
         assert not lines.lines  # the chosen settings fit
         preflight(cfg, None, None, None, auto_fit=False, is_main=True)  # no CUDA: nothing predicted, nothing said
         assert not lines.lines
+        preflight(cfg, None, None, None, auto_fit=True, is_main=True)
+        assert len(lines.lines) == 1 and "--auto-fit: the device's memory is unknown here" in lines.lines[0]
     finally:
         logging.getLogger("qshard").removeHandler(lines)

@@ -144,6 +144,8 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--gpu-kind", default="h100", help="h200, h100, h100-pcie, b200, a100, a100-40, l40s, a6000, "
                       "4090, 3090 (default h100): speed constants and memory")
     plan.add_argument("--gpu-mem", type=float, help="GiB per GPU (default: the kind's)")
+    plan.add_argument("--calibrate", action="store_true", help="measure this machine's GPU (matmul rate, memory and "
+                      "PCIe bandwidth, a few seconds) instead of the --gpu-kind table's")
     plan.add_argument("--host-mem", type=float, help="GiB of host memory per node (default: not checked)")
     plan.add_argument("--seq", type=int, help="tokens per sequence (default: data.max_length)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
@@ -348,9 +350,11 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         if value is not None and value <= 0:
             raise QShardError(f"{flag} must be > 0, got {value}")
     from qshard.planner.command import run_plan
-    from qshard.planner.hardware import Machine, gpu
+    from qshard.planner.hardware import Machine, calibrated, gpu, with_memory
 
     if args.host_mem is not None and args.host_mem <= 0:
         raise QShardError(f"--host-mem must be > 0 GiB, got {args.host_mem}")
-    machine = Machine(gpu(args.gpu_kind, args.gpu_mem), args.nodes, args.gpus or cfg.parallel.nproc, args.host_mem)
+    kind = gpu(args.gpu_kind)
+    kind = with_memory(calibrated(kind) if args.calibrate else kind, args.gpu_mem)
+    machine = Machine(kind, args.nodes, args.gpus or cfg.parallel.nproc, args.host_mem)
     return run_plan(cfg, machine, args.seq, args.json, args.fit, args.top)

@@ -50,12 +50,56 @@ def gpu(kind: str, memory_gib: float | None = None) -> GPU:
     """The table's entry for `kind`, with `memory_gib` in place of its memory if given (a cap, a smaller card)."""
     if kind not in GPUS:
         raise QShardError(f"--gpu-kind: unknown GPU '{kind}' (known: {', '.join(GPUS)})")
-    found = GPUS[kind]
-    if memory_gib is not None:
-        if memory_gib <= 0:
-            raise QShardError(f"--gpu-mem must be > 0 GiB, got {memory_gib}")
-        found = dataclasses.replace(found, memory_gib=memory_gib)
-    return found
+    return with_memory(GPUS[kind], memory_gib)
+
+
+def with_memory(found: GPU, memory_gib: float | None) -> GPU:
+    """`found` with `memory_gib` (--gpu-mem) in place of its memory, if given."""
+    if memory_gib is None:
+        return found
+    if memory_gib <= 0:
+        raise QShardError(f"--gpu-mem must be > 0 GiB, got {memory_gib}")
+    return dataclasses.replace(found, memory_gib=memory_gib)
+
+
+def calibrated(base: GPU) -> GPU:
+    """`base` with this machine's GPU measured instead (--calibrate, a few seconds): a bf16 matmul's rate, a
+    device-to-device copy and a pinned host-to-device copy, each turned back into the table's peak terms by the
+    efficiencies above, so that the predictions use them as they use the table's. GPU links keep `base`'s."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise QShardError("--calibrate measures this machine's GPU, and there is none here (no CUDA)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    n = 8192
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    matmul = _seconds(lambda: a @ b, 20)
+    flat = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    copy = _seconds(lambda: flat.clone(), 10)
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    pcie = _seconds(lambda: host.to(device, non_blocking=True), 5)
+    return dataclasses.replace(
+        base, name=f"{torch.cuda.get_device_name(device)} (measured)",
+        memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30,
+        tflops=2 * n**3 / matmul / 1e12 / MATMUL_EFFICIENCY,
+        hbm_gbs=2 * flat.numel() / copy / 1e9 / COPY_EFFICIENCY,  # read and write
+        pcie_gbs=host.numel() / pcie / 1e9 / COPY_EFFICIENCY)
+
+
+def _seconds(work, repeats: int) -> float:
+    """The median seconds of `work` on the current CUDA stream, after a warm-up call."""
+    import torch
+
+    work()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return sorted(times)[len(times) // 2]
 
 
 @dataclass
