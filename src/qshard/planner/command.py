@@ -28,8 +28,6 @@ def plan_model(cfg: Config, world_size: int, model_dir: Path | None = None, voca
         if cfg.model.path is None:
             raise QShardError("qshard plan: give the model (--model DIR or Hub id, or --model.shape NAME)")
         model_dir = _model_files(cfg)
-    if cfg.parallel.sharding == "hybrid" and not cfg.parallel.replicate_degree:
-        raise QShardError("qshard plan: parallel.sharding hybrid needs parallel.replicate_degree (or --nodes)")
     if vocab_size is None and cfg.data.add_special_tokens:
         vocab_size = len(training_tokenizer(cfg, model_dir))
     return skeleton(cfg, model_dir, world_size, torch.device("cpu"), vocab_size)
@@ -44,8 +42,8 @@ def _model_files(cfg: Config) -> Path:
 
 def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit: bool, top: int) -> int:
     """Print the prediction (and with `fit`, the fastest settings that fit); exit code 0."""
-    if machine.nodes > 1 and cfg.parallel.sharding == "hybrid" and not cfg.parallel.replicate_degree:
-        cfg.parallel.replicate_degree = machine.nodes
+    if cfg.parallel.sharding == "hybrid" and not cfg.parallel.replicate_degree:
+        cfg.parallel.replicate_degree = machine.nodes  # one replica per node, as a run finds from its launcher
     length = seq or cfg.data.max_length
     if length <= 0:
         raise QShardError(f"--seq must be > 0, got {length}")
@@ -134,6 +132,18 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
         if auto_fit and is_main:
             log.warning("--auto-fit: the device's memory is unknown here (no CUDA); the settings are kept as given")
         return
+    try:
+        _predict_before_loading(cfg, machine, model_dir, vocab_size, auto_fit, is_main)
+    except QShardError:
+        raise  # the build would refuse the same input a moment later
+    except Exception as exc:  # a prediction that fails must not stop a run that may well fit
+        if is_main:
+            log.warning("qshard plan could not predict this run (%s: %s); training goes on unchecked",
+                        type(exc).__name__, exc)
+
+
+def _predict_before_loading(cfg: Config, machine: Machine, model_dir: Path | None, vocab_size: int | None,
+                            auto_fit: bool, is_main: bool) -> None:
     model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
     seq = cfg.data.max_length
     if auto_fit:

@@ -123,7 +123,9 @@ class RunResult:
 
 
 def run_training(cfg: Config, dry_run: bool = False, auto_fit: bool = False) -> RunResult:
-    env = init_distributed(cfg.parallel.cpu_offload, ("parallel.load_timeout_s", cfg.parallel.load_timeout_s))
+    # --auto-fit may choose cpu_offload, whose CPU-side collectives need gloo beside NCCL from the start.
+    env = init_distributed(cfg.parallel.cpu_offload or auto_fit,
+                           ("parallel.load_timeout_s", cfg.parallel.load_timeout_s))
     try:
         with collective_errors(env):
             return train(cfg, env, dry_run, auto_fit)
