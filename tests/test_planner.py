@@ -60,6 +60,8 @@ def test_70b_on_a_24_gib_gpu_with_cpu_offload_matches_the_measured_host_memory_a
 def test_ranks_nodes_and_the_table(capsys):
     found = _plan(capsys, "--model.shape", "llama3-8b", "--gpus", "4", "--nodes", "2", "--seq", "1024",
                   "--parallel.sharding", "hybrid", "--train-type", "lora")
+    assert _plan(capsys, "--model.shape", "llama3-8b", "--gpus", "2x4", "--seq", "1024", "--parallel.sharding",
+                 "hybrid", "--train-type", "lora") == found
     assert len(found["peak_gpu_gib_per_rank"]) == 8 and found["tokens_per_step"] == 8 * 1024
     assert found["parts"]["gathered blocks"] > 0
     # Full fine-tuning over PCIe-linked cards: the all-gathers and gradient reductions outlast the compute.
@@ -100,6 +102,7 @@ def test_a_model_directory_with_new_tokens_trained_in_full(capsys, tiny_models):
     (["--model.shape", "llama3-8b", "--gpu-kind", "tpu"], "--gpu-kind: unknown GPU 'tpu'"),
     (["--gpu-kind", "h100"], "give the model"),
     (["--model.shape", "llama3-8b", "--gpus", "0"], "--gpus must be > 0"),
+    (["--model.shape", "llama3-8b", "--gpus", "2x"], "--gpus takes a number of GPUs per node or NODESxGPUS"),
     (["--model.shape", "llama3-8b", "--gpu-mem", "-1"], "--gpu-mem must be > 0"),
     (["--model.shape", "llama3-8b", "--calibrate"], "--calibrate measures this machine's GPU, and there is none"),
 ])

@@ -139,7 +139,7 @@ def _plan_parser(sub) -> None:
     for flag, key in SHORTCUTS.items():
         plan.add_argument(flag, dest=key, metavar=key.split(".")[-1].upper(), help=f"sets {key}")
     plan.add_argument("--overwrite", action="store_true", help=argparse.SUPPRESS)  # accepted, as train takes it
-    plan.add_argument("--gpus", type=int, help="GPUs per node (default: parallel.nproc)")
+    plan.add_argument("--gpus", help="GPUs per node, or NODESxGPUS (e.g. 2x8) (default: parallel.nproc)")
     plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     plan.add_argument("--gpu-kind", default="h100", help="h200, h100, h100-pcie, b200, a100, a100-40, l40s, a6000, "
                       "4090, 3090 (default h100): speed constants and memory")
@@ -346,7 +346,8 @@ def _plot(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = parse_train_config(args, extra)
-    for flag, value in (("--nodes", args.nodes), ("--top", args.top), ("--gpus", args.gpus)):
+    nodes, gpus = _nodes_and_gpus(args.gpus, args.nodes)
+    for flag, value in (("--nodes", nodes), ("--top", args.top), ("--gpus", gpus)):
         if value is not None and value <= 0:
             raise QShardError(f"{flag} must be > 0, got {value}")
     from qshard.planner.command import run_plan
@@ -356,5 +357,17 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         raise QShardError(f"--host-mem must be > 0 GiB, got {args.host_mem}")
     kind = gpu(args.gpu_kind)
     kind = with_memory(calibrated(kind) if args.calibrate else kind, args.gpu_mem)
-    machine = Machine(kind, args.nodes, args.gpus or cfg.parallel.nproc, args.host_mem)
+    machine = Machine(kind, nodes, gpus or cfg.parallel.nproc, args.host_mem)
     return run_plan(cfg, machine, args.seq, args.json, args.fit, args.top)
+
+
+def _nodes_and_gpus(gpus: str | None, nodes: int) -> tuple[int, int | None]:
+    """--gpus N (per node, beside --nodes) or --gpus NODESxGPUS."""
+    if gpus is None:
+        return nodes, None
+    parts = gpus.lower().split("x")
+    if len(parts) > 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise QShardError(f"--gpus takes a number of GPUs per node or NODESxGPUS (e.g. 2x8), got '{gpus}'")
+    if len(parts) == 2:
+        return int(parts[0]), int(parts[1])
+    return nodes, int(parts[0])
