@@ -291,6 +291,9 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
         "offloaded gradients": sum(p.stored_bytes for p in trained) * ranks,
         "offloaded AdamW state": (sizes.optimizer if sizes.on_host else 0) * ranks,
         "offloaded activations (pinned)": offloaded_acts * ranks,
+        # The tokenized data is memory-mapped (data/store.py): page cache, not the process's. What is its own:
+        # a step's batch and the next one prefetched, ids, labels and positions as int64, pinned on CUDA.
+        "data batches": _pinned(2 * 3 * 8 * shapes.tokens * cfg.train.grad_accum) * ranks,
     }
     # Loading: each rank's offloaded shards exist from the start, and a checkpoint's tensors pass through the
     # read-ahead's ring of pinned buffers (loading/read_ahead.py); random weights are generated on the GPU.
