@@ -138,7 +138,7 @@ def main() -> None:
     if sys.argv[1:2] == ["--_capped-train"]:
         sys.exit(capped_train(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="where results go (required unless --list)")
     parser.add_argument("--gpu-kind", default="h200")
     parser.add_argument("--gpu-mem", type=float, help="cap each run's GPU memory (and tell the prediction)")
     parser.add_argument("--steps", type=int, default=8)
@@ -150,6 +150,8 @@ def main() -> None:
     if args.list:
         print("\n".join(f"{name}: {' '.join(options)}" for name, options in runs.items()))
         return
+    if args.out is None:
+        parser.error("--out is required")
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for name, options in runs.items():
