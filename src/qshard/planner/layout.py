@@ -137,10 +137,10 @@ def storage_block_bytes(plans: list[TensorPlan], model: Skeleton) -> list[int]:
     """Under cpu_offload with quant_sharding dtensor: each block's flat host buffer of quantized shards, every
     shard aligned as parallel/offload.py lays them out."""
     local = {p.name: p for p in plans}
+    names = {id(m): n for n, m in model.model.named_modules()}
     sizes = []
     for block in model.blocks:
         nbytes = 0
-        names = {id(m): n for n, m in model.model.named_modules()}
         for module in block.modules():
             if not isinstance(module, QuantizedLinear):
                 continue
