@@ -4,11 +4,13 @@ log's peak_mem_gib, torch's max_memory_allocated) and steady tok/s (the median o
 are recorded beside the prediction in one JSON file, and drawn as two predicted-vs-measured scatter plots.
 
   python3 benchmarks/plan_vs_measured.py --out DIR [--gpu-kind h200] [--steps 8] [--warmup 3] [--only NAME ...]
-      [--gpu-mem GIB] [--list]
+      [--gpu-mem GIB] [--fit-checks] [--list]
 
 Models are named shapes with random weights (model.shape: no checkpoint is needed) trained on letters data of the
 run's length (make_data.py). A run that fails (an OOM included) is recorded with its last error line: a
-prediction of "does not fit" that then runs out of memory is a correct prediction. Results: DIR/plan_vs_measured.json
+prediction of "does not fit" that then runs out of memory is a correct prediction. --fit-checks adds the issue's
+two: `--fit` for the 70B shape and for the 8B shape at 32k under a 24 GiB cap, and a run of each chosen setting
+under that cap (torch.cuda.set_per_process_memory_fraction). Results: DIR/plan_vs_measured.json
 and DIR/plan_vs_measured.png; each run's log and output directory in DIR/runs/NAME.
 """
 
@@ -91,6 +93,25 @@ def measure(name: str, options: list[str], seq: int, args) -> dict:
             "tok_s": statistics.median(r["tokens_per_s"] for r in steady)}
 
 
+# The issue's two --fit checks: the settings `qshard plan --fit` picks under a 24 GiB cap must then train.
+FIT_CHECKS = {
+    "fit-70b-2k-24gib": ["--model.shape", "llama3-70b", "--max-length", "2048"],
+    "fit-8b-32k-24gib": ["--model.shape", "llama3-8b", "--max-length", "32768"],
+}
+
+
+def fit_check(name: str, options: list[str], args) -> dict:
+    """`qshard plan --fit` under a 24 GiB cap, then a run with its fastest setting under the same cap."""
+    capped = argparse.Namespace(**{**vars(args), "gpu_mem": 24.0})
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    planned = predict([*options, *COMMON, "--fit", "--top", "1", "--host-mem", f"{host:.0f}"], capped)
+    if not planned.get("fit"):
+        return {"name": name, "predicted": planned, "measured": {"error": "--fit found no setting"}}
+    chosen = [arg for flag in planned["fit"][0]["overrides"] for arg in flag.split(" ")]
+    measured = measure(name, [*options, *chosen], _seq(options), capped)
+    return {"name": name, "options": [*options, *chosen], "predicted": planned["fit"][0], "measured": measured}
+
+
 def capped_train(argv: list[str]) -> int:
     """`qshard train` under a GPU memory cap (torch.cuda.set_per_process_memory_fraction), for --gpu-mem."""
     import torch
@@ -145,6 +166,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--only", nargs="*", help="run only these names (see --list)")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--fit-checks", action="store_true", help="also run the two --fit checks (24 GiB cap)")
     args = parser.parse_args()
     runs = grid()
     if args.list:
@@ -165,6 +187,11 @@ def main() -> None:
                 row[f"{key}_error"] = round(predicted[key] / measured[key] - 1, 4)
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "predicted"}), flush=True)
+        (args.out / "plan_vs_measured.json").write_text(json.dumps(results, indent=1))
+    for name, options in FIT_CHECKS.items() if args.fit_checks else ():
+        row = fit_check(name, options, args)
+        results.append(row)
+        print(json.dumps(row), flush=True)
         (args.out / "plan_vs_measured.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "plan_vs_measured.png")
 

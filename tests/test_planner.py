@@ -25,7 +25,8 @@ H200_8B = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "6
 # (options, measured peak GiB, measured tok/s or None): Llama-3-8B shape, LoRA r=64 on every block linear.
 MEASURED = [
     (["--seq", "2048", "--parallel.compile", "true"], 9.12, 9900),
-    (["--seq", "2048"], None, 4544),
+    (["--seq", "2048"], 10.59, 4544),
+    (["--seq", "2048", "--parallel.compile", "true", "--parallel.activation_offload", "true"], 9.11, 8602),
     (["--seq", "2048", "--parallel.compile", "true", "--parallel.ac_save_projections", "true"], 10.19, 10696),
     (["--seq", "8192", "--parallel.compile", "true", "--train.loss_chunk_tokens", "1024"], 12.31, 9905),
     (["--seq", "262144", "--parallel.activation_offload", "true"], 87.6, None),
@@ -50,7 +51,7 @@ def test_predictions_are_near_the_h200_measurements(capsys, options, peak, tok_s
 def test_70b_on_a_24_gib_gpu_with_cpu_offload_matches_the_measured_host_memory_and_speed(capsys):
     found = _plan(capsys, "--model.shape", "llama3-70b", "--gpu-kind", "h200", "--gpu-mem", "24", "--lora-rank", "64",
                   "--seq", "2048", "--parallel.cpu_offload", "true", "--host-mem", "64")
-    assert found["fits"] is True and found["peak_gpu_gib"] < 24
+    assert found["fits"] is True and abs(found["peak_gpu_gib"] - 7.04) <= 0.1 * 7.04, found
     assert abs(found["peak_host_gib"] - 62) <= 0.1 * 62 and abs(found["tok_s"] - 499) <= 0.2 * 499, found
     too_little = _plan(capsys, "--model.shape", "llama3-70b", "--gpu-kind", "h200", "--gpu-mem", "24",
                        "--parallel.cpu_offload", "true", "--host-mem", "32")
