@@ -81,7 +81,7 @@ def test_fit_finds_the_fastest_settings_that_fit_8b_at_32k_on_24_gib(capsys):
                   "--parallel.activation_checkpointing", "false", "--fit", "--top", "3")
     assert found["fits"] is False and found["fit"], found
     speeds = [c["tok_s"] for c in found["fit"]]
-    assert speeds == sorted(speeds, reverse=True) and all(c["peak_gpu_gib"] <= 23.6 for c in found["fit"])
+    assert speeds == sorted(speeds, reverse=True) and all(c["peak_gpu_gib"] <= 0.9 * 23.6 for c in found["fit"])
     best = [arg for flag in found["fit"][0]["overrides"] for arg in flag.split(" ")]
     again = _plan(capsys, "--model.shape", "llama3-8b", "--gpu-kind", "4090", "--seq", "32768", "--lora-rank", "16",
                   "--parallel.activation_checkpointing", "false", *best)

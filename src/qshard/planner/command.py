@@ -80,7 +80,8 @@ def _table(cfg: Config, model: Skeleton, e: Estimate, seq: int) -> list[str]:
     ]
     lines += [f"    {name:<38}{value:>9.2f}" for name, value in e.parts.items() if value >= 0.005]
     verdict = "fits" if e.fits_gpu else "DOES NOT FIT"
-    lines.append(f"    {'peak':<38}{e.peak_gpu_gib:>9.2f}  of {m.gpu.memory_gib:g}: {verdict}")
+    lines.append(f"    {'peak':<38}{e.peak_gpu_gib:>9.2f}  of {m.gpu.memory_gib:g} ({e.usable_gpu_gib:.1f} usable): "
+                 f"{verdict}")
     if len(set(round(x, 2) for x in e.peak_gpu_gib_per_rank)) > 1:
         lines.append(f"    per rank: {', '.join(f'{x:.2f}' for x in e.peak_gpu_gib_per_rank)}")
     lines += ["", f"  {'host memory, per node':<40}{'GiB':>9}"]

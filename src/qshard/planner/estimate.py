@@ -30,6 +30,10 @@ EAGER_BLOCKS = 3.5
 OFFLOAD_KEPT_BLOCKS = 2
 # What the caching allocator holds beyond the live tensors at the peak (rounding, blocks not yet reused).
 ALLOCATOR_RESERVE = 0.03
+# The share of a GPU's memory a run may be predicted to peak at and still fit: the predictions are of allocated
+# memory, and the allocator's cache (blocks split and not yet reused), the CUDA context and the prediction's own
+# error come on top of it.
+USABLE_GPU_FRACTION = 0.9
 # Host memory of a training process before any model state: CUDA context, torch and its libraries, the data.
 HOST_BASE_GIB = 4.0
 
@@ -55,8 +59,12 @@ class Estimate:
         return max(self.peak_gpu_gib_per_rank)
 
     @property
+    def usable_gpu_gib(self) -> float:
+        return self.machine.gpu.memory_gib * USABLE_GPU_FRACTION
+
+    @property
     def fits_gpu(self) -> bool:
-        return self.peak_gpu_gib <= self.machine.gpu.memory_gib
+        return self.peak_gpu_gib <= self.usable_gpu_gib
 
     @property
     def fits_host(self) -> bool:
@@ -72,7 +80,8 @@ class Estimate:
             "fits": self.fits, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
             "peak_gpu_gib": round(self.peak_gpu_gib, 6),
             "peak_gpu_gib_per_rank": [round(x, 6) for x in self.peak_gpu_gib_per_rank],
-            "gpu_mem_gib": m.gpu.memory_gib, "peak_host_gib": round(self.peak_host_gib, 3),
+            "gpu_mem_gib": m.gpu.memory_gib, "usable_gpu_gib": round(self.usable_gpu_gib, 3),
+            "peak_host_gib": round(self.peak_host_gib, 3),
             "loading_host_gib": round(self.loading_host_gib, 3), "host_mem_gib": m.host_mem_gib,
             "tok_s": round(self.tok_s, 1), "step_s": round(self.step_s, 4), "tokens_per_step": self.tokens_per_step,
             "parts": {k: round(v, 6) for k, v in self.parts.items()},
@@ -228,10 +237,11 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     outside = t * acts.outside
     loss = _loss_chunk(cfg, shapes) + outside
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
-    phases = [(sum(kept), 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
+    projections = _kept_projections(model, cfg, acts, shapes) / shapes.blocks  # per block, on average
+    phases = [(sum(kept) + projections * shapes.blocks, 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
     for i in reversed(range(shapes.blocks)):
         working = t * acts.saved[i] * WORKING_SET_FACTOR + outside
-        phases.append((sum(kept[:i]), working, 0.0, sum(grads[i:])))
+        phases.append((sum(kept[:i]) + projections * i, working, 0.0, sum(grads[i:])))
     phases.append((0.0, 0.0, 0.0, sum(grads)))
     kept_at, working_at, loss_at, grads_at = max(phases, key=sum)
     return {"checkpointed activations": kept_at, "recompute working set": working_at, "loss chunk": loss_at,
@@ -239,13 +249,19 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
 
 
 def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> list[float]:
-    """What each block keeps from forward to backward (bytes): a checkpointed block its input (and under
-    ac_save_projections, where its checkpoint is traced, the projections), any other block all it saves."""
-    p, t = cfg.parallel, shapes.tokens
-    ckpt = {id(b) for b in checkpointed_blocks(model.blocks, p)}
-    projections = _traced(cfg, shapes.world) and p.ac_save_projections
-    return [t * (acts.block_input + (acts.projections[i] if projections else 0)) if id(b) in ckpt
-            else t * acts.saved[i] for i, b in enumerate(model.blocks)]
+    """What each block keeps from forward to backward that activation offload moves (bytes): a checkpointed
+    block its input, any other block all it saves."""
+    ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
+    return [shapes.tokens * (acts.block_input if id(b) in ckpt else acts.saved[i]) for i, b in enumerate(model.blocks)]
+
+
+def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
+    """Under ac_save_projections, where checkpoints are traced: the projections every checkpointed block keeps
+    inside its compiled graph, which activation offload's hooks are not counted on to reach."""
+    if not (_traced(cfg, shapes.world) and cfg.parallel.ac_save_projections):
+        return 0.0
+    ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
+    return sum(shapes.tokens * acts.projections[i] for i, b in enumerate(model.blocks) if id(b) in ckpt)
 
 
 def _traced(cfg: Config, world: int) -> bool:
