@@ -138,9 +138,8 @@ class Shapes:
         self.hidden = text.hidden_size
         head = model.model.get_output_embeddings()
         self.vocab = head.weight.shape[0] if head is not None else text.vocab_size
-        heads = text.num_attention_heads
-        self.attn_dim = heads * getattr(text, "head_dim", None) if getattr(text, "head_dim", None) else self.hidden
-        self.heads = heads
+        head_dim = getattr(text, "head_dim", None)
+        self.attn_dim = text.num_attention_heads * head_dim if head_dim else self.hidden
         self.compute = precision(cfg).compute.itemsize
         self.blocks = len(model.blocks)
 
