@@ -105,4 +105,5 @@ def test_qshard_train_chooses_the_cache_before_anything_fixes_it(tmp_path):
               f"code = cli.main(['train', '--model.shape', 'llama-tiny', '--output-dir', {str(tmp_path / 'run')!r}, "
               "'--dry-run']); print(code, os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert out.stdout.splitlines()[-1].split() == ["0", str(tmp_path / "xdg" / "qshard" / "inductor")], out.stderr[-2000:]
+    chosen = str(tmp_path / "xdg" / "qshard" / "inductor")
+    assert out.stdout.splitlines()[-1].split() == ["0", chosen], out.stderr[-2000:]

@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="allow an output dir that holds a run")
     train.add_argument("--dry-run", action="store_true", help="check the config, model files and data, print "
                        "the plan of the run, and stop: nothing is trained or written")
+    train.add_argument("--auto-fit", action="store_true", help="apply the fastest settings `qshard plan --fit` "
+                       "predicts to fit this machine's GPUs (CUDA only), and log them")
+    _plan_parser(sub)
     make = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint of a named shape")
     make.add_argument("--shape", required=True, help="e.g. llama3-8b, llama3-70b, llama-tiny")
     make.add_argument("--out", required=True, help="directory to write (must not exist, or be empty)")
@@ -129,6 +132,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="predict a run's peak GPU and host memory and its speed, without loading it",
+                          epilog="Takes qshard train's options (any --section.key VALUE too); no weight is read.",
+                          allow_abbrev=False)
+    plan.add_argument("--config", help="YAML file of options")
+    for flag, key in SHORTCUTS.items():
+        plan.add_argument(flag, dest=key, metavar=key.split(".")[-1].upper(), help=f"sets {key}")
+    plan.add_argument("--overwrite", action="store_true", help=argparse.SUPPRESS)  # accepted, as train takes it
+    plan.add_argument("--gpus", help="GPUs per node, or NODESxGPUS (e.g. 2x8) (default: parallel.nproc)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    plan.add_argument("--gpu-kind", default="h100", help="h200, h100, h100-pcie, b200, a100, a100-40, l40s, a6000, "
+                      "4090, 3090 (default h100): speed constants and memory")
+    plan.add_argument("--gpu-mem", type=float, help="GiB per GPU (default: the kind's)")
+    plan.add_argument("--calibrate", action="store_true", help="measure this machine's GPU (matmul rate, memory and "
+                      "PCIe bandwidth, a few seconds) instead of the --gpu-kind table's")
+    plan.add_argument("--host-mem", type=float, help="GiB of host memory per node (default: not checked)")
+    plan.add_argument("--seq", type=int, help="tokens per sequence (default: data.max_length)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--fit", action="store_true", help="also list the fastest settings predicted to fit")
+    plan.add_argument("--top", type=int, default=5, help="how many --fit lists (default 5)")
+
+
 def _generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="complete a prompt or chat with a run's model, or a base with a PEFT adapter",
                          epilog="With --model, any --section.key VALUE of the configuration reference sets how the "
@@ -149,7 +174,7 @@ def _generate_parser(sub) -> None:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """argparse, with `train`'s short flags first spelled as their dotted keys: argparse would apply the
     flags it knows before the `--section.key` ones it does not, and flags must apply in the order given."""
-    if argv[:1] == ["train"]:
+    if argv[:1] in (["train"], ["plan"]):
         argv = [_spell_out(arg) for arg in argv]
     return _parser().parse_known_args(argv)
 
@@ -226,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plot(args, extra)
         if args.command == "generate":
             return _generate(args, extra)
+        if args.command == "plan":
+            return _plan(args, extra)
         cfg = parse_train_config(args, extra)
         check_installed(cfg.output.trackers)
         if cfg.parallel.nproc > 1 and not launcher.launched() and not args.dry_run:  # a dry run plans the ranks
@@ -236,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         use_persistent_caches()
         from qshard.train.run import run_training  # heavy imports only once the config is valid
 
-        run_training(cfg, dry_run=args.dry_run)
+        run_training(cfg, dry_run=args.dry_run, auto_fit=args.auto_fit)
         return 0
     except QShardError as exc:
         _report_error(exc)
@@ -320,3 +347,32 @@ def _plot(args: argparse.Namespace, extra: list[str]) -> int:
 
     run_plot(args.runs, args.out)
     return 0
+
+
+def _plan(args: argparse.Namespace, extra: list[str]) -> int:
+    cfg = parse_train_config(args, extra)
+    nodes, gpus = _nodes_and_gpus(args.gpus, args.nodes)
+    for flag, value in (("--nodes", nodes), ("--top", args.top), ("--gpus", gpus)):
+        if value is not None and value <= 0:
+            raise QShardError(f"{flag} must be > 0, got {value}")
+    from qshard.planner.command import run_plan
+    from qshard.planner.hardware import Machine, calibrated, gpu, with_memory
+
+    if args.host_mem is not None and args.host_mem <= 0:
+        raise QShardError(f"--host-mem must be > 0 GiB, got {args.host_mem}")
+    kind = gpu(args.gpu_kind)
+    kind = with_memory(calibrated(kind) if args.calibrate else kind, args.gpu_mem)
+    machine = Machine(kind, nodes, gpus or cfg.parallel.nproc, args.host_mem)
+    return run_plan(cfg, machine, args.seq, args.json, args.fit, args.top)
+
+
+def _nodes_and_gpus(gpus: str | None, nodes: int) -> tuple[int, int | None]:
+    """--gpus N (per node, beside --nodes) or --gpus NODESxGPUS."""
+    if gpus is None:
+        return nodes, None
+    parts = gpus.lower().split("x")
+    if len(parts) > 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise QShardError(f"--gpus takes a number of GPUs per node or NODESxGPUS (e.g. 2x8), got '{gpus}'")
+    if len(parts) == 2:
+        return int(parts[0]), int(parts[1])
+    return nodes, int(parts[0])

@@ -78,7 +78,7 @@ def keep_graphs_cacheable() -> None:
         torch._functorch.config.graphsafe_rng_functionalization = False
 
 
-def compile_choice(parallel: ParallelConfig, device: torch.device) -> tuple[bool, str]:
+def compile_choice(parallel: ParallelConfig, device: torch.device, triton: bool | None = None) -> tuple[bool, str]:
     """Whether this run compiles its blocks, and why. `auto` compiles on CUDA where inductor can generate its
     kernels (Triton installed), and not where a setting keeps compile from paying: on the CPU inductor's C++
     kernels compile for minutes to beat eager by little, and reentrant checkpointing would be traced into the
@@ -88,7 +88,9 @@ def compile_choice(parallel: ParallelConfig, device: torch.device) -> tuple[bool
         return parallel.compile, f"parallel.compile {str(parallel.compile).lower()}"
     if device.type != "cuda":
         return False, f"parallel.compile auto: off on {device.type}"
-    if parallel.compile_backend == "inductor" and importlib.util.find_spec("triton") is None:
+    if triton is None:  # as installed here; `qshard plan` assumes the GPU machine has it
+        triton = importlib.util.find_spec("triton") is not None
+    if parallel.compile_backend == "inductor" and not triton:
         return False, "parallel.compile auto: off, Triton is not installed"
     if parallel.activation_checkpointing and parallel.ac_reentrant:
         return False, "parallel.compile auto: off with parallel.ac_reentrant true"

@@ -36,8 +36,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     parallel, prec = cfg.parallel, precision(cfg)
     how = parallel.quant_sharding
     quantized = quantized_blocks(blocks) if how == "fsdp" else []
-    scaled_mixed = prec.loss_scaling and trained_outside(model, blocks)
-    in_place = quantized if blocks_in_place(mesh, parallel) and not scaled_mixed else []
+    in_place = in_place_blocks(model, blocks, mesh.size(), cfg)
     if how == "fsdp":
         storage_for_units(model, blocks, in_place, mesh)
         # FSDP2's copies must keep every byte of the storage: verified on this mesh before any weight is read.
@@ -65,14 +64,23 @@ def quantized_blocks(blocks: list[nn.Module]) -> list[nn.Module]:
     return [b for b in blocks if any(isinstance(m, QuantizedLinear) for m in b.modules())]
 
 
-def blocks_in_place(mesh: DeviceMesh, parallel: ParallelConfig) -> bool:
+def in_place_blocks(model: nn.Module, blocks: list[nn.Module], world_size: int, cfg: Config) -> list[nn.Module]:
+    """The quantized blocks that get no FSDP2 unit on `world_size` ranks (`blocks_in_place`); the planner
+    (qshard/planner) asks the same question of a skeleton."""
+    if cfg.parallel.quant_sharding != "fsdp":
+        return []
+    scaled_mixed = precision(cfg).loss_scaling and trained_outside(model, blocks)
+    return quantized_blocks(blocks) if blocks_in_place(world_size, cfg.parallel) and not scaled_mixed else []
+
+
+def blocks_in_place(world_size: int, parallel: ParallelConfig) -> bool:
     """On one device, a block of quantized layers needs no FSDP2 unit: its gathers would copy the storage
     into a one-rank all-gather and back, three times a step (forward, recomputation, backward), and its
     gradient reduction is the identity; without the unit's hooks and copies the step is faster
     (docs/benchmarks-history.md). Such a block's unit would cast nothing (`storage_unit_policy`), so leaving
     its parameters as plain tensors, used in place, changes no numbers. The same holds for a frozen embedding
     or head in the compute dtype (`frozen_uncast`). CPU offload needs FSDP2 (its policy moves them)."""
-    return mesh.size() == 1 and not parallel.cpu_offload
+    return world_size == 1 and not parallel.cpu_offload
 
 
 def trained_outside(model: nn.Module, blocks: list[nn.Module]) -> bool:
@@ -136,15 +144,22 @@ def shard_embedding_and_head(model: nn.Module, mesh: DeviceMesh, parallel: Paral
         # parameter each).
         return []
     mp, offload = prec.mp_policy(), offload_policy(parallel)
-    kept = []
+    kept = kept_embedding_and_head(model, mesh.size(), parallel, prec)
     # The embedding is needed in its forward only (and in backward only if it trains); the head stays gathered
     # from forward into backward, which begins with it, and the chunked loss reads its weight (train/loss.py).
     for module, reshard in ((embed, True), (head, False)):
-        if blocks_in_place(mesh, parallel) and frozen_uncast(module, mp):
-            kept.append(module)
-        else:
+        if module not in kept:
             fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
     return kept
+
+
+def kept_embedding_and_head(model: nn.Module, world_size: int, parallel: ParallelConfig,
+                            prec: Precision) -> list[nn.Module]:
+    """Which of an untied embedding and head `shard_embedding_and_head` uses in place (`frozen_uncast`)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is embed.weight or not blocks_in_place(world_size, parallel):
+        return []
+    return [m for m in (embed, head) if frozen_uncast(m, prec.mp_policy())]
 
 
 def frozen_uncast(module: nn.Module, mp: MixedPrecisionPolicy) -> bool:

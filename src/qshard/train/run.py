@@ -47,6 +47,7 @@ from qshard.parallel.distributed import (
     set_timeout,
     shutdown,
 )
+from qshard.planner.command import preflight, this_machine
 from qshard.train.best import BestLoss
 from qshard.train.loop import EvalResult, FitResult, Trainer
 from qshard.train.metrics import MetricsLog, read_until
@@ -124,16 +125,18 @@ class RunResult:
     preempted: bool = False
 
 
-def run_training(cfg: Config, dry_run: bool = False) -> RunResult:
-    env = init_distributed(cfg.parallel.cpu_offload, ("parallel.load_timeout_s", cfg.parallel.load_timeout_s))
+def run_training(cfg: Config, dry_run: bool = False, auto_fit: bool = False) -> RunResult:
+    # --auto-fit may choose cpu_offload, whose CPU-side collectives need gloo beside NCCL from the start.
+    env = init_distributed(cfg.parallel.cpu_offload or auto_fit,
+                           ("parallel.load_timeout_s", cfg.parallel.load_timeout_s))
     try:
         with collective_errors(env):
-            return train(cfg, env, dry_run)
+            return train(cfg, env, dry_run, auto_fit)
     finally:
         shutdown()
 
 
-def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
+def train(cfg: Config, env: DistEnv, dry_run: bool = False, auto_fit: bool = False) -> RunResult:
     """One run, holding its output directory from before the first file is written until it ends: the
     checkpoint it resumes from, its inputs (a Hub model at the commit that checkpoint was trained from), the
     checkpoint checked against them before anything is built, the model, training, then the adapter and
@@ -160,6 +163,9 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False) -> RunResult:
             _print_plan(cfg, env, out, inputs, resume)
             return RunResult(out, {}, None)
         kept = _kept_lines(out, resume.state["step"], env) if resume.continuing else _Kept()
+        # Before anything is loaded: a run predicted not to fit says so now, not with an OOM minutes later.
+        preflight(cfg, this_machine(env.device, env.world_size), inputs.model_dir, len(inputs.tokenizer), auto_fit,
+                  env.is_main)
         run = _build(cfg, env, inputs, resume, prompts)
         fit = _fit(cfg, env, out, run, kept, replace=cfg.output.overwrite and not resume.continuing)
         if fit.preempted:

@@ -1,0 +1,180 @@
+"""`qshard plan`: the prediction printed as a table or one JSON object, `--fit`'s search, and the check that
+`qshard train` makes before it loads anything (a warning, or with `--auto-fit` the best settings applied)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from qshard.build import Skeleton, skeleton, training_tokenizer
+from qshard.config import Config
+from qshard.errors import QShardError
+from qshard.parallel.compile import compile_choice, with_compile_decided
+from qshard.planner.estimate import Estimate, estimate
+from qshard.planner.fit import Candidate, search
+from qshard.planner.hardware import GPUS, Machine, gpu
+
+log = logging.getLogger("qshard")
+
+
+def plan_model(cfg: Config, world_size: int, model_dir: Path | None = None, vocab_size: int | None = None
+               ) -> Skeleton:
+    """The run's skeleton on meta for `world_size` ranks; no weight is read (a Hub id: its config and tokenizer
+    files only). `vocab_size`: the training tokenizer's length, where the caller has it."""
+    if model_dir is None and cfg.model.shape is None:
+        if cfg.model.path is None:
+            raise QShardError("qshard plan: give the model (--model DIR or Hub id, or --model.shape NAME)")
+        model_dir = _model_files(cfg)
+    if vocab_size is None and cfg.data.add_special_tokens:
+        vocab_size = len(training_tokenizer(cfg, model_dir))
+    return skeleton(cfg, model_dir, world_size, torch.device("cpu"), vocab_size)
+
+
+def _model_files(cfg: Config) -> Path:
+    from qshard.loading.hub import hub_model, resolve
+
+    hub = hub_model(cfg.model.path, cfg.model.revision)
+    return Path(cfg.model.path) if hub is None else resolve(hub, weights=False)
+
+
+def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit: bool, top: int) -> int:
+    """Print the prediction (and with `fit`, the fastest settings that fit); exit code 0."""
+    if cfg.parallel.sharding == "hybrid" and not cfg.parallel.replicate_degree:
+        cfg.parallel.replicate_degree = machine.nodes  # one replica per node, as a run finds from its launcher
+    length = seq or cfg.data.max_length
+    if length <= 0:
+        raise QShardError(f"--seq must be > 0, got {length}")
+    cfg = compile_planned(cfg, triton=True)
+    model = plan_model(cfg, machine.world_size)
+    found = estimate(model, cfg, machine, length)
+    fits = search(model, cfg, machine, length, top) if fit else None
+    if as_json:
+        out = {**found.to_json(), "seq": length}
+        if fits is not None:
+            out["fit"] = [_candidate_json(c) for c in fits[0]]
+        print(json.dumps(out))
+    else:
+        print("\n".join(_table(cfg, model, found, length)))
+        if fits is not None:
+            print("\n".join(_fit_lines(*fits)))
+    return 0
+
+
+def _candidate_json(c: Candidate) -> dict:
+    return {"overrides": [f"--{k} {v}" for k, v in c.overrides], "tok_s": round(c.estimate.tok_s, 1),
+            "peak_gpu_gib": round(c.estimate.peak_gpu_gib, 3), "peak_host_gib": round(c.estimate.peak_host_gib, 3)}
+
+
+def _table(cfg: Config, model: Skeleton, e: Estimate, seq: int) -> list[str]:
+    m, t = e.machine, cfg.train
+    source = cfg.model.path or f"model.shape {cfg.model.shape}"
+    lines = [
+        f"qshard plan: {source} ({len(model.blocks)} blocks, {model.base_params:,} parameters), {t.train_type}, "
+        f"{m.nodes} node(s) x {m.gpus_per_node} {m.gpu.name} ({m.gpu.memory_gib:g} GiB)",
+        f"  batch: seq {seq} x micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum} x {m.world_size} rank(s) "
+        f"= {e.tokens_per_step:,} tokens per step",
+        "",
+        f"  {'GPU memory, the largest rank':<40}{'GiB':>9}",
+    ]
+    lines += [f"    {name:<38}{value:>9.2f}" for name, value in e.parts.items() if value >= 0.005]
+    verdict = "fits" if e.fits_gpu else "DOES NOT FIT"
+    lines.append(f"    {'peak':<38}{e.peak_gpu_gib:>9.2f}  of {m.gpu.memory_gib:g} ({e.usable_gpu_gib:.1f} usable): "
+                 f"{verdict}")
+    if len(set(round(x, 2) for x in e.peak_gpu_gib_per_rank)) > 1:
+        lines.append(f"    per rank: {', '.join(f'{x:.2f}' for x in e.peak_gpu_gib_per_rank)}")
+    lines += ["", f"  {'host memory, per node':<40}{'GiB':>9}"]
+    lines += [f"    {name:<38}{value:>9.2f}" for name, value in e.host_parts.items() if value >= 0.005]
+    limit = f"of {m.host_mem_gib:g}: {'fits' if e.fits_host else 'DOES NOT FIT'}" if m.host_mem_gib else \
+        "(--host-mem not given: not checked)"
+    peak = f"peak (loading {e.loading_host_gib:.1f})"
+    lines.append(f"    {peak:<38}{e.peak_host_gib:>9.2f}  {limit}")
+    lines += ["", f"  {'step time':<40}{'s':>9}"]
+    lines += [f"    {name:<38}{value:>9.3f}" for name, value in e.time_parts.items() if value >= 0.0005]
+    lines.append(f"    {'step':<38}{e.step_s:>9.3f}  {e.tok_s:,.0f} tok/s")
+    lines += [f"  note: {note}" for note in e.notes]
+    lines += ["", f"fits: {'yes' if e.fits else 'no'}"]
+    return lines
+
+
+def _fit_lines(fitting: list[Candidate], smallest: Candidate) -> list[str]:
+    if not fitting:
+        return ["", f"--fit: no setting searched is predicted to fit; the smallest peak is "
+                f"{smallest.estimate.peak_gpu_gib:.2f} GiB per GPU with {smallest.flags()} (fewer tokens per "
+                "micro-batch, more GPUs, or a smaller lora.rank would help)"]
+    lines = ["", "--fit: the fastest settings predicted to fit (add them to the command line):"]
+    for c in fitting:
+        lines.append(f"  {c.estimate.tok_s:>9,.0f} tok/s  {c.estimate.peak_gpu_gib:6.2f} GiB  {c.flags()}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Before `qshard train` loads anything.
+
+
+def this_machine(device: torch.device, world_size: int) -> Machine | None:
+    """The machine a run is on, where its GPU memory is known (CUDA); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    name = props.name.lower().replace(" ", "")
+    kind = next((k for k in sorted(GPUS, key=len, reverse=True) if k.replace("-", "") in name), "h100")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return Machine(gpu(kind, props.total_memory / 2**30), max(1, world_size // local), min(local, world_size), host)
+
+
+def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, vocab_size: int, auto_fit: bool,
+              is_main: bool) -> None:
+    """Predict the run before it loads: warn in one line when it is predicted not to fit, or with `auto_fit`
+    apply the fastest settings predicted to fit (the same choice on every rank: the search is deterministic)."""
+    if machine is None:
+        if auto_fit and is_main:
+            log.warning("--auto-fit: the device's memory is unknown here (no CUDA); the settings are kept as given")
+        return
+    try:
+        _predict_before_loading(cfg, machine, model_dir, vocab_size, auto_fit, is_main)
+    except QShardError:
+        raise  # the build would refuse the same input a moment later
+    except Exception as exc:  # a prediction that fails must not stop a run that may well fit
+        if is_main:
+            log.warning("qshard plan could not predict this run (%s: %s); training goes on unchecked",
+                        type(exc).__name__, exc)
+
+
+def _predict_before_loading(cfg: Config, machine: Machine, model_dir: Path | None, vocab_size: int | None,
+                            auto_fit: bool, is_main: bool) -> None:
+    model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
+    seq = cfg.data.max_length
+    planned = compile_planned(cfg)
+    if auto_fit:
+        fitting, smallest = search(model, planned, machine, seq, top=1)
+        chosen = fitting[0] if fitting else smallest
+        for dotted, value in chosen.overrides:
+            section, key = dotted.split(".")
+            setattr(getattr(cfg, section), key, _typed(getattr(getattr(cfg, section), key), value))
+        if is_main:
+            fit = "predicted to fit" if fitting else "the smallest predicted peak, still over the GPU's memory"
+            log.info("--auto-fit: %s (%s: %.2f GiB per GPU, %.0f tok/s)", chosen.flags(), fit,
+                     chosen.estimate.peak_gpu_gib, chosen.estimate.tok_s)
+        return
+    found = estimate(model, planned, machine, seq)
+    if not found.fits and is_main:
+        log.warning("predicted not to fit: %.2f GiB per GPU of %.1f, %.1f GiB host of %.1f; `qshard plan --fit` "
+                    "with the same options suggests settings that fit (or pass --auto-fit)", found.peak_gpu_gib,
+                    machine.gpu.memory_gib, found.peak_host_gib, machine.host_mem_gib or 0)
+
+
+def compile_planned(cfg: Config, triton: bool | None = None) -> Config:
+    """`cfg` with parallel.compile as a run on a CUDA GPU decides it (`auto`: parallel/compile.py, compile_choice;
+    `triton`: whether that machine has Triton, None: as this one does)."""
+    return with_compile_decided(cfg, compile_choice(cfg.parallel, torch.device("cuda"), triton)[0])
+
+
+def _typed(current, text: str):
+    if isinstance(current, bool) or text in ("true", "false"):  # parallel.compile may still say auto
+        return text == "true"
+    return type(current)(text) if current is not None else int(text)

@@ -1,0 +1,348 @@
+"""One run's prediction: each rank's peak GPU memory and its parts, the host's memory while loading and while
+training, the step time and tok/s, and whether it fits. Built from the tensor layout (layout.py) and the
+activations the skeleton saves (activations.py); the constants that are not sizes live in hardware.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qshard.build import Skeleton, random_init
+from qshard.config import Config, checkpoint_trace_unmet
+from qshard.loading.read_ahead import CUDA_STAGING_BYTES
+from qshard.parallel.checkpointing import checkpointed_blocks
+from qshard.parallel.fsdp import reshard_after_forward
+from qshard.planner.activations import BlockActivations, probe_activations
+from qshard.planner.hardware import Machine
+from qshard.planner.layout import TensorPlan, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
+from qshard.planner.speed import head_trains, step_times
+from qshard.precision import precision
+from qshard.quant import QuantizedLinear
+
+GIB = 2**30
+# The transient memory of backward through one recomputed block, as a multiple of what its forward saves
+# (gradients of its intermediates beside the recomputed tensors).
+WORKING_SET_FACTOR = 1.6
+# Quantized blocks used in place (one GPU) peak higher uncompiled than compiled by about this many blocks'
+# dequantized weights (8B 2k on an H200: 10.59 GiB eager, 9.12 compiled); blocks in FSDP2 units show no such
+# gap (70B under cpu_offload, eager: 7.04 GiB, as predicted without it). One measurement: the least sure term.
+EAGER_BLOCKS = 3.5
+# Checkpoints still on the GPU under activation offload: the block in use and the one being copied.
+OFFLOAD_KEPT_BLOCKS = 2
+# What the caching allocator holds beyond the live tensors at the peak (rounding, blocks not yet reused).
+ALLOCATOR_RESERVE = 0.03
+# The share of a GPU's memory a run may be predicted to peak at and still fit: the predictions are of allocated
+# memory, and the allocator's cache (blocks split and not yet reused), the CUDA context and the prediction's own
+# error come on top of it.
+USABLE_GPU_FRACTION = 0.9
+# Host memory of a training process before any model state: CUDA context, torch and its libraries, the data.
+HOST_BASE_GIB = 4.0
+
+
+@dataclass
+class Estimate:
+    """The prediction, in GiB and seconds; `parts` is the largest rank's breakdown."""
+
+    peak_gpu_gib_per_rank: list[float]
+    parts: dict[str, float]
+    host_parts: dict[str, float]
+    peak_host_gib: float  # per node, the larger of loading and training
+    loading_host_gib: float
+    step_s: float
+    tok_s: float
+    time_parts: dict[str, float]
+    machine: Machine
+    tokens_per_step: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_gpu_gib(self) -> float:
+        return max(self.peak_gpu_gib_per_rank)
+
+    @property
+    def usable_gpu_gib(self) -> float:
+        return self.machine.gpu.memory_gib * USABLE_GPU_FRACTION
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.peak_gpu_gib <= self.usable_gpu_gib
+
+    @property
+    def fits_host(self) -> bool:
+        return self.machine.host_mem_gib is None or self.peak_host_gib <= self.machine.host_mem_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    def to_json(self) -> dict:
+        m = self.machine
+        return {
+            "fits": self.fits, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
+            "peak_gpu_gib": round(self.peak_gpu_gib, 6),
+            "peak_gpu_gib_per_rank": [round(x, 6) for x in self.peak_gpu_gib_per_rank],
+            "gpu_mem_gib": m.gpu.memory_gib, "usable_gpu_gib": round(self.usable_gpu_gib, 3),
+            "peak_host_gib": round(self.peak_host_gib, 3),
+            "loading_host_gib": round(self.loading_host_gib, 3), "host_mem_gib": m.host_mem_gib,
+            "tok_s": round(self.tok_s, 1), "step_s": round(self.step_s, 4), "tokens_per_step": self.tokens_per_step,
+            "parts": {k: round(v, 6) for k, v in self.parts.items()},
+            "host_parts": {k: round(v, 6) for k, v in self.host_parts.items()},
+            "time_parts": {k: round(v, 5) for k, v in self.time_parts.items()},
+            "gpu_kind": m.gpu.name, "nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "notes": self.notes,
+        }
+
+
+def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: BlockActivations | None = None,
+             cache: dict | None = None) -> Estimate:
+    """The prediction for `cfg` on `machine` with sequences of `seq` tokens (the longest a micro-batch holds).
+    `acts` and `cache` (of layouts): what a caller comparing many settings of one model reuses (`--fit`)."""
+    acts = acts or probe_activations(model, cfg)
+    world = machine.world_size
+    mesh = plan_mesh(cfg, world)
+    p = cfg.parallel
+    key = (p.cpu_offload, p.sharding, p.quant_sharding, p.replicate_degree)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = [tensor_layout(model, cfg, world, rank) for rank in range(mesh.shard)]
+    layouts = cache[key]
+    shapes = Shapes(model, cfg, seq, world)
+    peaks, parts = [], None
+    for plans in layouts:
+        rank_parts = _gpu_parts(model, cfg, plans, acts, shapes)
+        peaks.append(sum(rank_parts.values()) / GIB)
+        parts = parts if parts is not None and sum(parts.values()) >= sum(rank_parts.values()) else rank_parts
+    host_parts, loading = _host_parts(model, cfg, layouts[0], acts, shapes, machine)
+    offloaded = sum(_kept_per_block(model, cfg, acts, shapes)) if cfg.parallel.activation_offload else 0.0
+    times = step_times(model, cfg, layouts[0], shapes, machine, offloaded,
+                       _traced(cfg, world) and cfg.parallel.ac_save_projections)
+    step = sum(times.values())
+    tokens = shapes.tokens * cfg.train.grad_accum * world
+    return Estimate(
+        peak_gpu_gib_per_rank=[peaks[mesh.shard_index(r)] for r in range(world)],
+        parts={k: v / GIB for k, v in parts.items()},
+        host_parts={k: v / GIB for k, v in host_parts.items()},
+        peak_host_gib=max(sum(host_parts.values()), loading) / GIB,
+        loading_host_gib=loading / GIB,
+        step_s=step, tok_s=tokens / step, time_parts=times, machine=machine, tokens_per_step=tokens,
+        notes=_notes(cfg, world),
+    )
+
+
+# Objectives whose every example is two rows of one forward (data/preference.py, collate_pairs); KTO's is one.
+PAIR_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
+
+
+class Shapes:
+    """The sizes the formulas read, from the skeleton's config and the run's options."""
+
+    def __init__(self, model: Skeleton, cfg: Config, seq: int, world: int) -> None:
+        self.world = world
+        text = model.model.config.get_text_config()
+        self.seq = seq
+        # per micro-batch per rank; a pair objective's micro-batch is its pairs' chosen and rejected rows
+        rows = 2 if cfg.train.objective in PAIR_OBJECTIVES else 1
+        self.tokens = cfg.train.micro_batch_size * rows * seq
+        self.hidden = text.hidden_size
+        head = model.model.get_output_embeddings()
+        self.vocab = head.weight.shape[0] if head is not None else text.vocab_size
+        head_dim = getattr(text, "head_dim", None)
+        self.attn_dim = text.num_attention_heads * head_dim if head_dim else self.hidden
+        self.compute = precision(cfg).compute.itemsize
+        self.blocks = len(model.blocks)
+
+
+def _block_index(model: Skeleton) -> dict[str, int]:
+    """Parameter name -> its block's index (names outside blocks are absent)."""
+    ids = {id(b): i for i, b in enumerate(model.blocks)}
+    found = {}
+    for name, module in model.model.named_modules():
+        if id(module) in ids:
+            for pname, _ in module.named_parameters():
+                found[f"{name}.{pname}"] = ids[id(module)]
+    return found
+
+
+def _gpu_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations,
+               shapes: Shapes) -> dict[str, float]:
+    """One rank's GPU memory at its peak, by part, in bytes."""
+    sizes = state_sizes(plans)
+    w = sizes.weights
+    parts = {
+        "quantized storage": w.get("quantized", 0),
+        "frozen weights": w.get("frozen", 0),
+        "embedding and head": w.get("embedding", 0) + w.get("head", 0),
+        "trained weights": w.get("trained", 0),
+        "AdamW state": 0 if sizes.on_host else sizes.optimizer,
+    }
+    parts["gathered blocks"] = _gathered(model, cfg, plans, shapes)
+    parts["dequantized weight"] = _largest_dequantized(model, shapes)
+    in_place = any(p.holder == "in_place" and p.part == "quantized" for p in plans)
+    eager = in_place and not cfg.parallel.compile
+    parts["eager transients"] = EAGER_BLOCKS * _block_dequantized(model, shapes) if eager else 0.0
+    dynamic = _activation_phases(model, cfg, plans, acts, shapes)
+    parts.update(dynamic)
+    parts["communication buffers"] = _comm_buffers(model, cfg, plans)
+    parts["allocator reserve"] = ALLOCATOR_RESERVE * sum(parts.values())
+    return parts
+
+
+def _gathered(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Shapes) -> float:
+    """Blocks' weights gathered by FSDP2 at once: the block running and the one prefetched (every block under
+    grad_op, which keeps them from forward to backward), and the head, which stays gathered for the loss;
+    storage in DTensor buffers is gathered a layer at a time."""
+    index = _block_index(model)
+    per_block = [0.0] * shapes.blocks
+    rest = layer = 0.0
+    for plan in plans:
+        if plan.holder == "dtensor":
+            layer = max(layer, plan.full_bytes)
+        if plan.holder != "fsdp":
+            continue
+        gathered = plan.full_bytes
+        if plan.dtype.is_floating_point:
+            gathered = gathered // plan.dtype.itemsize * _gathered_itemsize(plan, cfg, shapes)
+        if plan.name in index:
+            per_block[index[plan.name]] += gathered
+        elif plan.part == "head":
+            rest += gathered
+    per_block.sort(reverse=True)
+    in_flight = shapes.blocks if not reshard_after_forward(cfg.parallel) else min(2, shapes.blocks)
+    return sum(per_block[:in_flight]) + rest + 2 * layer
+
+
+def _gathered_itemsize(plan: TensorPlan, cfg: Config, shapes: Shapes) -> int:
+    # Units of quantized blocks cast nothing (their adapters travel as fp32 masters); the others cast to compute.
+    if cfg.train.train_type in ("qlora", "qdora") and plan.trainable:
+        return plan.dtype.itemsize
+    return shapes.compute
+
+
+def _block_dequantized(model: Skeleton, shapes: Shapes) -> float:
+    """One block's quantized weights, dequantized to the compute dtype."""
+    return max((sum(m.in_features * m.out_features for m in b.modules() if isinstance(m, QuantizedLinear))
+                for b in model.blocks), default=0) * shapes.compute
+
+
+def _largest_dequantized(model: Skeleton, shapes: Shapes) -> float:
+    sizes = [m.in_features * m.out_features for m in model.model.modules() if isinstance(m, QuantizedLinear)]
+    return max(sizes, default=0) * shapes.compute
+
+
+def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations,
+                       shapes: Shapes) -> dict[str, float]:
+    """The activations, loss chunk and gradients at the step's peak phase: the loss (what every block keeps for
+    backward), or backward through block i (what the blocks before it keep, block i's working set: its saved
+    tensors, recomputed or kept, with the gradients of its intermediates; the gradients of the blocks after it),
+    or the optimizer step (every gradient)."""
+    p, t = cfg.parallel, shapes.tokens
+    kept = _kept_per_block(model, cfg, acts, shapes)
+    if p.activation_offload:  # every block's saved tensors go to the host, but those in use and in flight
+        top = set(sorted(range(len(kept)), key=lambda i: -kept[i])[:OFFLOAD_KEPT_BLOCKS])
+        kept = [k if i in top else 0.0 for i, k in enumerate(kept)]
+    grads = [0.0] * (shapes.blocks + 1) if p.cpu_offload else _grads_by_block(model, plans, shapes.blocks)
+    outside = t * acts.outside
+    loss = _loss_chunk(cfg, shapes) + outside
+    # (kept by the blocks, working set, loss chunk, gradients) of each phase
+    projections = _kept_projections(model, cfg, acts, shapes) / shapes.blocks  # per block, on average
+    phases = [(sum(kept) + projections * shapes.blocks, 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
+    for i in reversed(range(shapes.blocks)):
+        working = t * acts.saved[i] * WORKING_SET_FACTOR + outside
+        phases.append((sum(kept[:i]) + projections * i, working, 0.0, sum(grads[i:])))
+    phases.append((0.0, 0.0, 0.0, sum(grads)))
+    kept_at, working_at, loss_at, grads_at = max(phases, key=sum)
+    return {"checkpointed activations": kept_at, "recompute working set": working_at, "loss chunk": loss_at,
+            "gradients": grads_at}
+
+
+def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> list[float]:
+    """What each block keeps from forward to backward that activation offload moves (bytes): a checkpointed
+    block its input, any other block all it saves."""
+    ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
+    return [shapes.tokens * (acts.block_input if id(b) in ckpt else acts.saved[i]) for i, b in enumerate(model.blocks)]
+
+
+def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
+    """Under ac_save_projections, where checkpoints are traced: the projections every checkpointed block keeps
+    inside its compiled graph, which activation offload's hooks are not counted on to reach."""
+    if not (_traced(cfg, shapes.world) and cfg.parallel.ac_save_projections):
+        return 0.0
+    ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
+    return sum(shapes.tokens * acts.projections[i] for i, b in enumerate(model.blocks) if id(b) in ckpt)
+
+
+def _traced(cfg: Config, world: int) -> bool:
+    return not checkpoint_trace_unmet(cfg.parallel, cfg.train.train_type, cfg.lora.dropout, world)
+
+
+def _grads_by_block(model: Skeleton, plans: list[TensorPlan], blocks: int) -> list[float]:
+    """Gradient bytes of each block, then of everything outside the blocks (last)."""
+    index = _block_index(model)
+    grads = [0.0] * (blocks + 1)
+    for plan in plans:
+        if plan.trainable:
+            grads[index.get(plan.name, blocks)] += plan.stored_bytes
+    return grads
+
+
+def _loss_chunk(cfg: Config, shapes: Shapes) -> float:
+    """The head's logits of one loss chunk (train/loss.py): in the compute dtype, their fp32 copy and its
+    gradient; all the micro-batch's tokens at once when loss_chunk_tokens is 0."""
+    chunk = cfg.train.loss_chunk_tokens or shapes.tokens
+    chunk = min(chunk, shapes.tokens)
+    return chunk * shapes.vocab * (shapes.compute + 4 + 4) + shapes.tokens * shapes.hidden * shapes.compute
+
+
+def _comm_buffers(model: Skeleton, cfg: Config, plans: list[TensorPlan]) -> float:
+    """The reduce-scatter of one block's gradients: the block's whole gradients in the reduce dtype."""
+    index = _block_index(model)
+    reduce = precision(cfg).reduce.itemsize
+    per_block: dict[int, float] = {}
+    for plan in plans:
+        if plan.trainable and plan.holder == "fsdp" and plan.name in index:
+            i = index[plan.name]
+            per_block[i] = per_block.get(i, 0) + plan.full_bytes // plan.dtype.itemsize * reduce
+    return max(per_block.values(), default=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host memory.
+
+
+def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations, shapes: Shapes,
+                machine: Machine) -> tuple[dict[str, float], float]:
+    """A node's host memory while training, by part, and its peak while loading (bytes)."""
+    ranks = machine.gpus_per_node
+    sizes = state_sizes(plans)
+    pinned = sum(_pinned(p.stored_bytes) for p in plans if p.on_host and p.holder == "fsdp")
+    if cfg.parallel.quant_sharding == "dtensor" and cfg.parallel.cpu_offload:
+        pinned += sum(_pinned(b) for b in storage_block_bytes(plans, model))
+    trained = [p for p in plans if p.trainable and p.on_host]
+    offloaded_acts = 0.0
+    if cfg.parallel.activation_offload:
+        offloaded_acts = sum(_pinned(k) for k in _kept_per_block(model, cfg, acts, shapes))
+    parts = {
+        "process and libraries": HOST_BASE_GIB * GIB * ranks,
+        "offloaded weights (pinned)": pinned * ranks,
+        "offloaded gradients": sum(p.stored_bytes for p in trained) * ranks,
+        "offloaded AdamW state": (sizes.optimizer if sizes.on_host else 0) * ranks,
+        "offloaded activations (pinned)": offloaded_acts * ranks,
+        # The tokenized data is memory-mapped (data/store.py): page cache, not the process's. What is its own:
+        # a step's batch and the next one prefetched, ids, labels and positions as int64, pinned on CUDA.
+        "data batches": _pinned(2 * 3 * 8 * shapes.tokens * cfg.train.grad_accum) * ranks,
+    }
+    # Loading: each rank's offloaded shards exist from the start, and a checkpoint's tensors pass through the
+    # read-ahead's ring of pinned buffers (loading/read_ahead.py); random weights are generated on the GPU.
+    ring = 0 if random_init(cfg) else CUDA_STAGING_BYTES
+    loading = parts["process and libraries"] + parts["offloaded weights (pinned)"] + ring * ranks
+    return parts, loading
+
+
+def _pinned(nbytes: float) -> float:
+    """torch's pinned-memory allocator rounds each allocation up to a power of two."""
+    return float(1 << max(0, int(nbytes - 1).bit_length())) if nbytes > 0 else 0.0
+
+
+def _notes(cfg: Config, world: int) -> list[str]:
+    notes = []
+    if cfg.parallel.ac_save_projections and not _traced(cfg, world):
+        notes.append("parallel.ac_save_projections has no effect here (no block's checkpoint is traced)")
+    return notes

@@ -1,0 +1,104 @@
+"""`qshard plan --fit`: the fastest settings predicted to fit, searched over the options that trade memory for
+speed at the same global batch; each result is the command-line overrides that turn the given run into it."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+
+from qshard.build import Skeleton
+from qshard.config import QUANTIZED_TRAIN_TYPES, Config
+from qshard.errors import QShardError
+from qshard.planner.activations import probe_activations
+from qshard.planner.estimate import Estimate, estimate
+from qshard.planner.hardware import Machine
+
+LOSS_CHUNKS = (512, 1024, 2048)
+AC_EVERY = (1, 2, 4)
+
+
+@dataclass
+class Candidate:
+    overrides: list[tuple[str, str]]
+    estimate: Estimate
+
+    def flags(self) -> str:
+        return " ".join(f"--{key} {value}" for key, value in self.overrides) or "(the settings as given)"
+
+
+def _settings(cfg: Config, world: int) -> list[dict[str, object]]:
+    """Every combination searched, as {dotted key: value}."""
+    t, p = cfg.train, cfg.parallel
+    batch = t.micro_batch_size * t.grad_accum
+    micro = [m for m in (1, 2, 4, 8, 16) if batch % m == 0] or [t.micro_batch_size]
+    checkpointing = [(False, 1)] + [(True, k) for k in AC_EVERY]
+    shardings = ["full", "grad_op"] if world > 1 else [p.sharding]
+    quantized = t.train_type in QUANTIZED_TRAIN_TYPES
+    found = []
+    for m, (ac, every), proj, act_off, cpu_off, chunk, compiled, sharding in itertools.product(
+            micro, checkpointing, (False, True) if quantized and world == 1 else (False,), (False, True),
+            (False, True), LOSS_CHUNKS, (True, False), shardings):
+        found.append({
+            "train.micro_batch_size": m, "train.grad_accum": batch // m,
+            "parallel.activation_checkpointing": ac, "parallel.ac_every": every,
+            "parallel.ac_save_projections": proj, "parallel.activation_offload": act_off,
+            "parallel.cpu_offload": cpu_off, "train.loss_chunk_tokens": chunk, "parallel.compile": compiled,
+            "parallel.sharding": sharding,
+        })
+    return found
+
+
+def _apply(cfg: Config, setting: dict[str, object]) -> Config | None:
+    """`cfg` with `setting`, or None where the combination is refused (config.py's own rules)."""
+    new = copy.deepcopy(cfg)
+    for dotted, value in setting.items():
+        section, key = dotted.split(".")
+        setattr(getattr(new, section), key, value)
+    try:
+        return new.validate()
+    except QShardError:
+        return None
+
+
+def _overrides(cfg: Config, setting: dict[str, object]) -> list[tuple[str, str]]:
+    changed = []
+    for dotted, value in setting.items():
+        section, key = dotted.split(".")
+        if getattr(getattr(cfg, section), key) != value:
+            changed.append((dotted, str(value).lower() if isinstance(value, bool) else str(value)))
+    return changed
+
+
+def search(model: Skeleton, cfg: Config, machine: Machine, seq: int, top: int = 5) -> tuple[list[Candidate],
+                                                                                              Candidate]:
+    """The `top` fastest settings predicted to fit (fastest first), and the one of least peak GPU memory (what
+    to report when none fits)."""
+    acts = probe_activations(model, cfg)
+    layouts: dict = {}
+    seen, fitting = set(), []
+    smallest: Candidate | None = None
+    for setting in _settings(cfg, machine.world_size):
+        new = _apply(cfg, setting)
+        if new is None:
+            continue
+        overrides = _overrides(cfg, setting)
+        key = tuple(overrides)
+        if key in seen:
+            continue
+        seen.add(key)
+        candidate = Candidate(overrides, estimate(model, new, machine, seq, acts, layouts))
+        if smallest is None or candidate.estimate.peak_gpu_gib < smallest.estimate.peak_gpu_gib:
+            smallest = candidate
+        if candidate.estimate.fits:
+            fitting.append(candidate)
+    assert smallest is not None, "the settings as given are among those searched"
+    # Among settings equally fast, the fewest changes first; one that only adds changes to a listed one that is as
+    # fast is left out.
+    fitting.sort(key=lambda c: (-round(c.estimate.tok_s), len(c.overrides), c.estimate.peak_gpu_gib))
+    shown: list[Candidate] = []
+    for c in fitting:
+        if not any(round(k.estimate.tok_s) == round(c.estimate.tok_s) and set(k.overrides) <= set(c.overrides)
+                   for k in shown):
+            shown.append(c)
+    return shown[:top], smallest

@@ -1,0 +1,122 @@
+"""The step time `qshard plan` predicts: a roofline of the blocks' matmuls, the head, attention and the
+dequantization on the GPU, the host's kernel launches where they bound the step, the all-gathers and gradient
+reductions over the GPU links, host <-> GPU copies for offload, and AdamW on the host under cpu_offload."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.nn as nn
+
+from qshard.adapters import LoRALinear
+from qshard.build import Skeleton
+from qshard.config import Config
+from qshard.parallel.checkpointing import checkpointed_blocks
+from qshard.parallel.fsdp import reshard_after_forward
+from qshard.planner import hardware
+from qshard.planner.activations import kept_projections
+from qshard.planner.hardware import Machine
+from qshard.planner.layout import TensorPlan, plan_mesh
+from qshard.precision import precision
+from qshard.quant import QuantizedLinear
+
+if TYPE_CHECKING:
+    from qshard.planner.estimate import Shapes
+
+
+def head_trains(plans: list[TensorPlan]) -> bool:
+    """Whether the output head trains (lora.modules_to_save, full fine-tuning): its weight's gradient costs too."""
+    return any(p.trainable and "lm_head" in p.name for p in plans)
+
+
+def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Shapes, machine: Machine,
+               offloaded_activations: float, kept_projections_traced: bool) -> dict[str, float]:
+    """Seconds per optimizer step, by part (their sum is the step). `offloaded_activations`: the bytes per
+    micro-batch activation offload moves out (and back); `kept_projections_traced`: ac_save_projections in effect."""
+    g, p = machine.gpu, cfg.parallel
+    micro = cfg.train.grad_accum
+    ckpt = len(checkpointed_blocks(model.blocks, p)) / max(shapes.blocks, 1)
+    frozen, trained, quantized = _linear_params(model)
+    t = shapes.tokens
+    # Forward 2 FLOPs per weight and token, the input's gradient 2, the weight's gradient 2 where it trains;
+    # checkpointed blocks run their forward again in backward.
+    matmul = t * (2 * (frozen + trained) * (2 + ckpt) + 2 * trained)
+    head = t * shapes.vocab * shapes.hidden * (2 * 3 + (2 if head_trains(plans) else 0))
+    # Causal attention: QK^T and PV, half the matrix; backward about 2.5 forwards; once more if recomputed.
+    recomputed_attention = ckpt
+    if kept_projections_traced:  # kept, not recomputed: the projections, attention
+        matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
+        recomputed_attention = 0.0
+    attention = 2 * t * shapes.seq * shapes.attn_dim * shapes.blocks * (1 + 2.5 + recomputed_attention)
+    compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
+        attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
+    dequant = quantized * (2 + ckpt) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
+    gpu = compute + dequant
+    host = shapes.blocks * hardware.HOST_PER_BLOCK_S[p.compile]
+    link = _link_seconds(cfg, plans, machine)
+    pcie = _pcie_seconds(cfg, plans, machine)
+    # Activation offload's copies are waited for where the tensors are packed and unpacked, so they add to the
+    # step rather than hide under compute (8B 2k compiled on an H200: 10,176 -> 8,602 tok/s).
+    activations = 2 * offloaded_activations / (g.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)
+    busy = max(gpu, host, link, pcie)
+    times = {
+        "compute": gpu * micro,
+        "host-bound (kernel launches)": (max(host, gpu) - gpu) * micro,
+        "exposed communication (links, PCIe)": (max(link, pcie, gpu, host) - max(gpu, host)) * micro,
+        "activation offload copies": activations * micro,
+        "fixed per step": hardware.STEP_FIXED_S,
+    }
+    trained_host = sum(x.local_rows * x.row_bytes // x.dtype.itemsize for x in plans if x.trainable and x.on_host)
+    times["host AdamW"] = trained_host / hardware.HOST_ADAM_PARAMS_PER_S
+    assert busy >= gpu
+    return times
+
+
+def _linear_params(model: Skeleton) -> tuple[int, int, int]:
+    """Weights of the blocks' matmuls: frozen, trained, and of those frozen the quantized ones."""
+    frozen = trained = quantized = 0
+    for block in model.blocks:
+        for module in block.modules():
+            if isinstance(module, QuantizedLinear):
+                frozen += module.in_features * module.out_features
+                quantized += module.in_features * module.out_features
+            elif isinstance(module, nn.Linear):
+                n = module.in_features * module.out_features
+                if module.weight.requires_grad:
+                    trained += n
+                else:
+                    frozen += n
+            elif isinstance(module, LoRALinear):
+                trained += module.rank * (module.in_features + module.out_features)
+    return frozen, trained, quantized
+
+
+def _link_seconds(cfg: Config, plans: list[TensorPlan], machine: Machine) -> float:
+    """All-gathers of the sharded weights (forward, and again in backward unless grad_op) and the reduction
+    of the gradients, per micro-batch, over the GPU links; replicas all-reduce over the network."""
+    mesh = plan_mesh(cfg, machine.world_size)
+    g = machine.gpu
+    if mesh.shard == 1 and mesh.replicas == 1:
+        return 0.0
+    share = (mesh.shard - 1) / mesh.shard
+    gathers = 2 if reshard_after_forward(cfg.parallel) else 1
+    weights = sum(p.full_bytes for p in plans if p.holder != "in_place")
+    grads = sum(p.full_bytes // p.dtype.itemsize * precision(cfg).reduce.itemsize for p in plans if p.trainable)
+    intra = (weights * gathers + grads) * share
+    across = grads / mesh.shard * 2 * (mesh.replicas - 1) / mesh.replicas
+    link_bw = g.link_gbs if machine.nodes == 1 or mesh.shard <= machine.gpus_per_node else g.net_gbs
+    net_bw = g.net_gbs if machine.nodes > 1 else g.link_gbs
+    return intra / (link_bw * 1e9 * hardware.COPY_EFFICIENCY) + across / (net_bw * 1e9 * hardware.COPY_EFFICIENCY)
+
+
+def _pcie_seconds(cfg: Config, plans: list[TensorPlan], machine: Machine) -> float:
+    """Host <-> GPU copies per micro-batch: offloaded shards in for every gather (the DTensor window for each
+    pass), gradients out."""
+    p = cfg.parallel
+    copied = 0.0
+    if p.cpu_offload:
+        passes = 2 if reshard_after_forward(p) else 1
+        dtensor = sum(x.local_bytes for x in plans if x.on_host and x.holder == "dtensor")
+        fsdp = sum(x.stored_bytes for x in plans if x.on_host and x.holder == "fsdp")
+        copied += fsdp * passes + dtensor * 3 + sum(x.stored_bytes for x in plans if x.trainable and x.on_host)
+    return copied / (machine.gpu.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)

@@ -1,0 +1,149 @@
+"""`qshard plan` through the CLI's entry point (in process, nothing loaded): its JSON and table, its predictions
+against the peaks and speeds measured on an H200 (docs/benchmarks.md), `--fit`, its one-line errors, and the
+check `qshard train` makes before loading (a warning, or `--auto-fit`'s choice)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from conftest import LogLines
+
+from qshard.cli import main
+from qshard.config import resolve
+
+
+def _plan(capsys, *args: str) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+H200_8B = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "64"]
+
+
+# (options, measured peak GiB, measured tok/s or None): Llama-3-8B shape, LoRA r=64 on every block linear.
+MEASURED = [
+    (["--seq", "2048", "--parallel.compile", "true"], 9.12, 9900),
+    (["--seq", "2048", "--parallel.compile", "false"], 10.59, 4544),
+    (["--seq", "2048", "--parallel.compile", "true", "--parallel.activation_offload", "true"], 9.11, 8602),
+    (["--seq", "2048", "--parallel.compile", "true", "--parallel.ac_save_projections", "true"], 10.19, 10696),
+    (["--seq", "8192", "--parallel.compile", "true", "--train.loss_chunk_tokens", "1024"], 12.31, 9905),
+    (["--seq", "262144", "--parallel.activation_offload", "true"], 87.6, None),
+    (["--seq", "65536"], 43.5, 4621),
+    (["--seq", "65536", "--parallel.activation_offload", "true"], 28.6, None),
+    (["--seq", "131072"], 79.0, 2756),
+    (["--seq", "131072", "--parallel.activation_offload", "true"], 48.6, None),
+]
+
+
+@pytest.mark.parametrize("options, peak, tok_s", MEASURED)
+def test_predictions_are_near_the_h200_measurements(capsys, options, peak, tok_s):
+    found = _plan(capsys, *H200_8B, *options)
+    if peak is not None:
+        assert abs(found["peak_gpu_gib"] - peak) <= 0.1 * peak, found
+    if tok_s is not None:
+        assert abs(found["tok_s"] - tok_s) <= 0.2 * tok_s, found
+    assert found["fits"] is True and found["peak_gpu_gib_per_rank"] == [found["peak_gpu_gib"]]
+    assert sum(found["parts"].values()) == pytest.approx(found["peak_gpu_gib"], rel=1e-3)
+
+
+def test_70b_on_a_24_gib_gpu_with_cpu_offload_matches_the_measured_host_memory_and_speed(capsys):
+    found = _plan(capsys, "--model.shape", "llama3-70b", "--gpu-kind", "h200", "--gpu-mem", "24", "--lora-rank", "64",
+                  "--seq", "2048", "--parallel.cpu_offload", "true", "--host-mem", "64")
+    assert found["fits"] is True and abs(found["peak_gpu_gib"] - 7.04) <= 0.1 * 7.04, found
+    assert abs(found["peak_host_gib"] - 62) <= 0.1 * 62 and abs(found["tok_s"] - 499) <= 0.2 * 499, found
+    too_little = _plan(capsys, "--model.shape", "llama3-70b", "--gpu-kind", "h200", "--gpu-mem", "24",
+                       "--parallel.cpu_offload", "true", "--host-mem", "32")
+    assert too_little["fits"] is False and too_little["fits_host"] is False and too_little["fits_gpu"] is True
+
+
+def test_ranks_nodes_and_the_table(capsys):
+    found = _plan(capsys, "--model.shape", "llama3-8b", "--gpus", "4", "--nodes", "2", "--seq", "1024",
+                  "--parallel.sharding", "hybrid", "--train-type", "lora")
+    assert _plan(capsys, "--model.shape", "llama3-8b", "--gpus", "2x4", "--seq", "1024", "--parallel.sharding",
+                 "hybrid", "--train-type", "lora") == found
+    assert len(found["peak_gpu_gib_per_rank"]) == 8 and found["tokens_per_step"] == 8 * 1024
+    assert found["parts"]["gathered blocks"] > 0
+    # Full fine-tuning over PCIe-linked cards: the all-gathers and gradient reductions outlast the compute.
+    pcie = _plan(capsys, "--model.shape", "llama3-8b", "--gpu-kind", "4090", "--gpus", "4", "--train-type", "full",
+                 "--seq", "1024")
+    assert pcie["time_parts"]["exposed communication (links, PCIe)"] > pcie["time_parts"]["compute"] > 0
+    alone = _plan(capsys, "--model.shape", "llama3-8b", "--seq", "1024", "--train-type", "lora")
+    assert found["parts"]["frozen weights"] < alone["parts"]["frozen weights"] / 3  # sharded over 4 per node
+    assert main(["plan", "--model.shape", "llama3-8b", "--gpu-mem", "4", "--seq", "1024"]) == 0
+    table = capsys.readouterr().out
+    assert "DOES NOT FIT" in table and table.rstrip().endswith("fits: no") and "quantized storage" in table
+
+
+def test_fit_finds_the_fastest_settings_that_fit_8b_at_32k_on_24_gib(capsys):
+    found = _plan(capsys, "--model.shape", "llama3-8b", "--gpu-kind", "4090", "--seq", "32768", "--lora-rank", "16",
+                  "--parallel.activation_checkpointing", "false", "--fit", "--top", "3")
+    assert found["fits"] is False and found["fit"], found
+    speeds = [c["tok_s"] for c in found["fit"]]
+    assert speeds == sorted(speeds, reverse=True) and all(c["peak_gpu_gib"] <= 0.9 * 23.6 for c in found["fit"])
+    best = [arg for flag in found["fit"][0]["overrides"] for arg in flag.split(" ")]
+    again = _plan(capsys, "--model.shape", "llama3-8b", "--gpu-kind", "4090", "--seq", "32768", "--lora-rank", "16",
+                  "--parallel.activation_checkpointing", "false", *best)
+    assert again["fits"] is True and again["tok_s"] == pytest.approx(speeds[0], rel=1e-3)
+
+
+def test_a_model_directory_with_new_tokens_trained_in_full(capsys, tiny_models):
+    model_dir = str(tiny_models("llama"))
+    base = _plan(capsys, "--model", model_dir, "--seq", "64", "--gpus", "2")
+    grown = _plan(capsys, "--model", model_dir, "--seq", "64", "--gpus", "2", "--data.add_special_tokens",
+                  "[<tool>, <end_tool>]", "--lora.modules_to_save", "[embed_tokens, lm_head]")
+    assert base["parts"]["embedding and head"] > 0 and grown["parts"]["embedding and head"] == 0
+    parts, before = grown["parts"], base["parts"]
+    assert parts["trained weights"] > before["trained weights"] + before["embedding and head"] / 2  # fp32 masters
+    assert parts["AdamW state"] == pytest.approx(2 * parts["trained weights"], rel=0.05)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.shape", "llama3-8b", "--gpu-kind", "tpu"], "--gpu-kind: unknown GPU 'tpu'"),
+    (["--gpu-kind", "h100"], "give the model"),
+    (["--model.shape", "llama3-8b", "--gpus", "0"], "--gpus must be > 0"),
+    (["--model.shape", "llama3-8b", "--gpus", "2x"], "--gpus takes a number of GPUs per node or NODESxGPUS"),
+    (["--model.shape", "llama3-8b", "--gpu-mem", "-1"], "--gpu-mem must be > 0"),
+    (["--model.shape", "llama3-8b", "--calibrate"], "--calibrate measures this machine's GPU, and there is none"),
+])
+def test_bad_input_is_one_line(capsys, args, message):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_train_warns_before_loading_or_applies_the_fit():
+    from qshard.planner.command import preflight
+    from qshard.planner.hardware import Machine, gpu
+
+    lines = LogLines()
+    logging.getLogger("qshard").addHandler(lines)
+    try:
+        cfg = resolve(None, [("model.shape", "llama3-8b"), ("data.max_length", "32768"), ("lora.rank", "16"),
+                             ("parallel.activation_checkpointing", "false")])
+        preflight(cfg, Machine(gpu("4090")), None, None, auto_fit=False, is_main=True)
+        assert any("predicted not to fit" in line and "qshard plan --fit" in line for line in lines.lines), lines.lines
+        preflight(cfg, Machine(gpu("4090")), None, None, auto_fit=True, is_main=True)
+        chosen = [line for line in lines.lines if line.startswith("--auto-fit:")]
+        assert len(chosen) == 1 and "predicted to fit" in chosen[0], lines.lines
+        assert cfg.parallel.activation_checkpointing or cfg.parallel.activation_offload  # what makes 32k fit
+        lines.lines.clear()
+        preflight(cfg, Machine(gpu("4090")), None, None, auto_fit=False, is_main=True)
+        assert not lines.lines  # the chosen settings fit
+        preflight(cfg, None, None, None, auto_fit=False, is_main=True)  # no CUDA: nothing predicted, nothing said
+        assert not lines.lines
+        preflight(cfg, None, None, None, auto_fit=True, is_main=True)
+        assert len(lines.lines) == 1 and "--auto-fit: the device's memory is unknown here" in lines.lines[0]
+    finally:
+        logging.getLogger("qshard").removeHandler(lines)
+
+
+def test_a_pair_objective_plans_two_rows_per_example(capsys):
+    """DPO's micro-batch of one pair runs its chosen and rejected rows in one forward: the activations of two."""
+    sft = _plan(capsys, *H200_8B, "--seq", "2048", "--parallel.compile", "true")
+    dpo = _plan(capsys, *H200_8B, "--seq", "2048", "--parallel.compile", "true", "--train.objective", "dpo")
+    both = _plan(capsys, *H200_8B, "--seq", "2048", "--parallel.compile", "true", "--batch-size", "2")
+    assert dpo["peak_gpu_gib"] == pytest.approx(both["peak_gpu_gib"]) and dpo["peak_gpu_gib"] > sft["peak_gpu_gib"]
+    # measured on one H200 (docs/benchmarks.md): 8B DPO, 1,024 + 1,024 tokens per row, 10.08 GiB
+    assert abs(dpo["peak_gpu_gib"] - 10.08) <= 0.1 * 10.08, dpo
