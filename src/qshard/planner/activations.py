@@ -58,6 +58,7 @@ class BlockActivations:
     outside: float  # saved outside the blocks (embedding, final norm), the head's loss apart
     block_input: int  # a checkpointed block keeps only its input: hidden size x compute dtype
     projections: list[int]  # ac_save_projections: the narrowing matmuls' outputs a traced block keeps
+    mlp: list[float]  # of `saved`, what each block's MLP saves (parallel.mlp_tile_tokens holds one tile's)
 
     @property
     def widest(self) -> float:
@@ -71,17 +72,21 @@ def probe_activations(model: Skeleton, cfg) -> BlockActivations:
     span = _PROBE_LENGTHS[1] - _PROBE_LENGTHS[0]
     per_block = [(b - a) / span for a, b in zip(totals[0][0], totals[1][0])]
     outside = (totals[1][1] - totals[0][1]) / span
+    mlp = [(b - a) / span for a, b in zip(totals[0][2], totals[1][2])]
     hidden = model.model.config.get_text_config().hidden_size
     return BlockActivations(per_block, outside, hidden * dtype.itemsize,
-                            [_projection_bytes(block, dtype) for block in model.blocks])
+                            [_projection_bytes(block, dtype) for block in model.blocks], mlp)
 
 
-def _saved_bytes(model: Skeleton, length: int, dtype: torch.dtype) -> tuple[list[int], int]:
-    """Bytes autograd saves in each block, and outside them, for one sequence of `length` tokens."""
+def _saved_bytes(model: Skeleton, length: int, dtype: torch.dtype) -> tuple[list[int], int, list[int]]:
+    """Bytes autograd saves in each block, outside them, and in each block's MLP (part of its block's), for one
+    sequence of `length` tokens."""
     blocks = model.blocks
     saved = [0] * len(blocks)
+    in_mlp = [0] * len(blocks)
     outside = 0
     current: list[int | None] = [None]
+    mlp_running = [False]
     seen: set[int] = set()
     params = {id(p) for p in model.model.parameters()}
 
@@ -96,12 +101,17 @@ def _saved_bytes(model: Skeleton, length: int, dtype: torch.dtype) -> tuple[list
             outside += nbytes
         else:
             saved[current[0]] += nbytes
+            in_mlp[current[0]] += nbytes if mlp_running[0] else 0
         return t
 
     handles = []
     for i, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i)))
         handles.append(block.register_forward_hook(lambda _m, _a, _o: current.__setitem__(0, None)))
+        mlp = getattr(block, "mlp", None)
+        if isinstance(mlp, nn.Module):
+            handles.append(mlp.register_forward_pre_hook(lambda _m, _a: mlp_running.__setitem__(0, True)))
+            handles.append(mlp.register_forward_hook(lambda _m, _a, _o: mlp_running.__setitem__(0, False)))
     base_model = model.model.get_decoder() if hasattr(model.model, "get_decoder") else model.model
     embed = model.model.get_input_embeddings()
     try:
@@ -125,7 +135,7 @@ def _saved_bytes(model: Skeleton, length: int, dtype: torch.dtype) -> tuple[list
     finally:
         for handle in handles:
             handle.remove()
-    return saved, outside
+    return saved, outside, in_mlp
 
 
 def _projection_bytes(block: nn.Module, dtype: torch.dtype) -> int:

@@ -245,12 +245,21 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     projections = _kept_projections(model, cfg, acts, shapes) / shapes.blocks  # per block, on average
     phases = [(sum(kept) + projections * shapes.blocks, 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
     for i in reversed(range(shapes.blocks)):
-        working = t * acts.saved[i] * WORKING_SET_FACTOR + outside
+        working = _block_working_set(cfg, acts, shapes, i) * WORKING_SET_FACTOR + outside
         phases.append((sum(kept[:i]) + projections * i, working, 0.0, sum(grads[i:])))
     phases.append((0.0, 0.0, 0.0, sum(grads)))
     kept_at, working_at, loss_at, grads_at = max(phases, key=sum)
     return {"checkpointed activations": kept_at, "recompute working set": working_at, "loss chunk": loss_at,
             "gradients": grads_at}
+
+
+def _block_working_set(cfg: Config, acts: BlockActivations, shapes: Shapes, i: int) -> float:
+    """What block i saves for its backward (bytes): under parallel.mlp_tile_tokens its MLP keeps its input and
+    one tile's intermediates at a time (parallel/tiling.py), not the whole sequence's."""
+    t, tile = shapes.tokens, cfg.parallel.mlp_tile_tokens
+    if not tile or t <= tile:
+        return t * acts.saved[i]
+    return t * (acts.saved[i] - acts.mlp[i] + acts.block_input) + tile * acts.mlp[i]
 
 
 def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> list[float]:
@@ -318,7 +327,9 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
     trained = [p for p in plans if p.trainable and p.on_host]
     offloaded_acts = 0.0
     if cfg.parallel.activation_offload:
-        offloaded_acts = sum(_pinned(k) for k in _kept_per_block(model, cfg, acts, shapes))
+        # Everything forward saves goes out, the blocks' and what is saved outside them, into host buffers
+        # page-locked at their exact size and reused across steps (parallel/offload.py, HostPool).
+        offloaded_acts = sum(_kept_per_block(model, cfg, acts, shapes)) + shapes.tokens * acts.outside
     parts = {
         "process and libraries": HOST_BASE_GIB * GIB * ranks,
         "offloaded weights (pinned)": pinned * ranks,

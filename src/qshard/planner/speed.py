@@ -41,6 +41,8 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     # Forward 2 FLOPs per weight and token, the input's gradient 2, the weight's gradient 2 where it trains;
     # checkpointed blocks run their forward again in backward.
     matmul = t * (2 * (frozen + trained) * (2 + ckpt) + 2 * trained)
+    if p.mlp_tile_tokens and t > p.mlp_tile_tokens:  # each tile's forward runs again in backward (parallel/tiling)
+        matmul += t * 2 * _mlp_params(model)
     head = t * shapes.vocab * shapes.hidden * (2 * 3 + (2 if head_trains(plans) else 0))
     # Causal attention: QK^T and PV, half the matrix; backward about 2.5 forwards; once more if recomputed.
     recomputed_attention = ckpt
@@ -89,6 +91,19 @@ def _linear_params(model: Skeleton) -> tuple[int, int, int]:
             elif isinstance(module, LoRALinear):
                 trained += module.rank * (module.in_features + module.out_features)
     return frozen, trained, quantized
+
+
+def _mlp_params(model: Skeleton) -> int:
+    """Weights of the matmuls inside the blocks' MLPs (their adapters' included)."""
+    total = 0
+    for block in model.blocks:
+        mlp = getattr(block, "mlp", None)
+        for module in mlp.modules() if isinstance(mlp, nn.Module) else ():
+            if isinstance(module, (QuantizedLinear, nn.Linear)):
+                total += module.in_features * module.out_features
+            elif isinstance(module, LoRALinear):
+                total += module.rank * (module.in_features + module.out_features)
+    return total
 
 
 def _link_seconds(cfg: Config, plans: list[TensorPlan], machine: Machine) -> float:
