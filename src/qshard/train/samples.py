@@ -151,7 +151,7 @@ def greedy_generate(model: nn.Module, prompts: list[list[int]], stop_ids: Sequen
     for _ in range(max_new_tokens):
         result = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                        **cache)
-        cache = {cache_argument: result.past_key_values}
+        cache = {cache_argument: getattr(result, cache_argument)}  # the output names it as forward does
         token = _agreed(result.logits[:, -1, :vocab].argmax(-1))
         token = torch.where(done, pad_id, token)
         out.append(token)
@@ -165,7 +165,8 @@ def greedy_generate(model: nn.Module, prompts: list[list[int]], stop_ids: Sequen
 
 
 def _cache_argument(model: nn.Module) -> str:
-    """What the model's forward calls its KV cache: `cache` in newer transformers, `past_key_values` before."""
+    """What the model's forward (and its output) calls its KV cache: `cache` in newer transformers,
+    `past_key_values` before (which newer ones still take, with a deprecation warning)."""
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
