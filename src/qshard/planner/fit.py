@@ -16,6 +16,7 @@ from qshard.planner.hardware import Machine
 
 LOSS_CHUNKS = (512, 1024, 2048)
 AC_EVERY = (1, 2, 4)
+MLP_TILE = 8192  # the tile measured at 128k and 256k tokens (docs/benchmarks.md)
 
 
 @dataclass
@@ -27,8 +28,8 @@ class Candidate:
         return " ".join(f"--{key} {value}" for key, value in self.overrides) or "(the settings as given)"
 
 
-def _settings(cfg: Config, world: int) -> list[dict[str, object]]:
-    """Every combination searched, as {dotted key: value}."""
+def _settings(cfg: Config, world: int, seq: int) -> list[dict[str, object]]:
+    """Every combination searched, as {dotted key: value}: tiled MLPs only where a sequence spans several tiles."""
     t, p = cfg.train, cfg.parallel
     batch = t.micro_batch_size * t.grad_accum
     micro = [m for m in (1, 2, 4, 8, 16) if batch % m == 0] or [t.micro_batch_size]
@@ -36,15 +37,16 @@ def _settings(cfg: Config, world: int) -> list[dict[str, object]]:
     shardings = ["full", "grad_op"] if world > 1 else [p.sharding]
     quantized = t.train_type in QUANTIZED_TRAIN_TYPES
     found = []
-    for m, (ac, every), proj, act_off, cpu_off, chunk, compiled, sharding in itertools.product(
+    tiles = (0, MLP_TILE) if seq >= 2 * MLP_TILE else (0,)
+    for m, (ac, every), proj, act_off, cpu_off, chunk, compiled, sharding, tile in itertools.product(
             micro, checkpointing, (False, True) if quantized and world == 1 else (False,), (False, True),
-            (False, True), LOSS_CHUNKS, (True, False), shardings):
+            (False, True), LOSS_CHUNKS, (True, False), shardings, tiles):
         found.append({
             "train.micro_batch_size": m, "train.grad_accum": batch // m,
             "parallel.activation_checkpointing": ac, "parallel.ac_every": every,
             "parallel.ac_save_projections": proj, "parallel.activation_offload": act_off,
             "parallel.cpu_offload": cpu_off, "train.loss_chunk_tokens": chunk, "parallel.compile": compiled,
-            "parallel.sharding": sharding,
+            "parallel.sharding": sharding, "parallel.mlp_tile_tokens": tile,
         })
     return found
 
@@ -78,7 +80,7 @@ def search(model: Skeleton, cfg: Config, machine: Machine, seq: int, top: int = 
     layouts: dict = {}
     seen, fitting = set(), []
     smallest: Candidate | None = None
-    for setting in _settings(cfg, machine.world_size):
+    for setting in _settings(cfg, machine.world_size, seq):
         new = _apply(cfg, setting)
         if new is None:
             continue
