@@ -320,14 +320,14 @@ class PrefConfig:
     orpo_lambda: float = 0.1
     # simpo: the target reward margin gamma.
     simpo_gamma: float = 0.5
-    # Compare per-token mean log-probs instead of summed ones (dpo, ipo); empty: the method's own rule (simpo and
-    # orpo always normalize, dpo, ipo and kto do not).
+    # Compare per-token mean log-probs instead of summed ones (dpo, ipo); empty: the method's own rule (simpo,
+    # orpo and ipo normalize, dpo and kto do not).
     length_normalization: bool | None = None
     # kto: the weights of desirable and undesirable examples' losses (balance them by their counts).
     kto_desirable_weight: float = 1.0
     kto_undesirable_weight: float = 1.0
     # Prompt tokens kept (the last ones, after the bos) before the completions are cut to data.max_length;
-    # empty: the prompt is cut only as far as data.max_length needs.
+    # empty: as many as the longest completion leaves, but at least half of data.max_length.
     max_prompt_length: int | None = None
     # Compute the reference log-probs once, before training, and keep them with the tokenized data.
     precompute_reference: bool = False
@@ -423,6 +423,11 @@ class Config:
                                   f"not {objective}")
         if self.train.init_adapter and self.train.train_type in ADAPTERLESS_TRAIN_TYPES:
             raise QShardError(f"train.init_adapter: train.train_type {self.train.train_type} trains no adapters")
+        if self.train.init_adapter and self.lora.init != LoRAConfig.init:
+            # PiSSA/OLoRA leave the base the residual of the adapter's start; a given adapter is for the original.
+            raise QShardError(f"train.init_adapter: continues an adapter of the original base, and lora.init "
+                              f"{self.lora.init} trains on a base with its principal part moved into the adapter; "
+                              "leave lora.init default")
         if objective == "sft":
             if p.beta is not None or p.max_prompt_length is not None:
                 name = "beta" if p.beta is not None else "max_prompt_length"
@@ -439,6 +444,10 @@ class Config:
         if self.train.init_adapter and objective in REFERENCE_OBJECTIVES and not p.precompute_reference:
             raise QShardError(f"train.init_adapter: train.objective {objective}'s reference is then the base with that "
                               "adapter as it starts, computed once before training: set pref.precompute_reference true")
+        if self.lora.init != LoRAConfig.init and objective in REFERENCE_OBJECTIVES:
+            raise QShardError(f"lora.init: train.objective {objective}'s reference is the base with the adapters "
+                              f"switched off, which under lora.init {self.lora.init} is the residual of the base, not "
+                              "the model; leave lora.init default")
         if self.lora.modules_to_save and objective in REFERENCE_OBJECTIVES:
             raise QShardError(f"lora.modules_to_save: train.objective {objective}'s reference is the base with the "
                               "adapters switched off, which modules trained in full would change")

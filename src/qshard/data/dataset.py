@@ -129,7 +129,9 @@ def cache_key(source: Source, tokenizer_hash: str) -> str:
         "version": STORE_VERSION,
         "data": source_identity(source),
         "tokenizer": tokenizer_hash,
-        "options": vars(source.options),
+        # Preference records' prompt cut is left out where empty, so that SFT sources keep the keys their stores
+        # had before it existed.
+        "options": {k: v for k, v in vars(source.options).items() if not (k == "max_prompt_length" and v is None)},
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 

@@ -38,6 +38,8 @@ def example_lengths(examples: Sequence[Example]) -> np.ndarray:
 def longest_positions(examples: Sequence[Example]) -> int:
     """The most positions any one sequence uses: its length, or packed, its longest document's (positions
     restart at each document)."""
+    if hasattr(examples, "longest_row"):  # preference pairs: each of a pair's rows is a sequence of its own
+        return examples.longest_row()
     lengths = examples.doc_lengths if isinstance(examples, PackedExamples) else example_lengths(examples)
     return int(lengths.max()) if len(lengths) else 0
 

@@ -130,6 +130,15 @@ def cut_prompt(ids: list[int], keep: int, bos_id: int | None) -> list[int]:
     return ids[len(ids) - keep:]
 
 
+def prompt_room(opts: Any, longest_completion: int) -> int:
+    """Prompt tokens kept: pref.max_prompt_length; empty, as many as the longest completion leaves of
+    data.max_length, but at least half of it (a long prompt would otherwise leave its completions a token
+    or two, which compare nothing)."""
+    if opts.max_prompt_length:
+        return min(opts.max_prompt_length, opts.max_length - 1)
+    return max(opts.max_length - longest_completion, opts.max_length // 2)
+
+
 def encode_preference(encoder: Encoder, opts: Any, fmt: str, record: dict[str, Any], where: str) -> tuple:
     """One record's outcome: ("rows", [(ids, labels), (ids, labels)], truncated) or ("overlong",). The prompt is
     cut to pref.max_prompt_length (its end kept), then each completion to what data.max_length leaves."""
@@ -141,13 +150,16 @@ def encode_preference(encoder: Encoder, opts: Any, fmt: str, record: dict[str, A
         completions = [completion]
     encoded = [_tokens(encoder, prompt, c, where) for c in completions]
     prompt_ids = encoded[0][0]
-    keep = min(opts.max_prompt_length or opts.max_length, opts.max_length - 1)
-    cut = cut_prompt(prompt_ids, keep, encoder.bos_id)
+    cut = cut_prompt(prompt_ids, prompt_room(opts, max(len(c) for _, c in encoded)), encoder.bos_id)
     room = opts.max_length - len(cut)
     truncated = len(cut) < len(prompt_ids) or any(len(c) > room for _, c in encoded)
     if truncated and opts.overlong == "drop":
         return ("overlong",)
-    rows = [_row(cut, c[:room]) for _, c in encoded]
+    kept = [c[:room] for _, c in encoded]
+    if desirable is None and kept[0] == kept[1]:
+        raise BadRecord(f"{where}: 'chosen' and 'rejected' are identical in their first {room} tokens, all that "
+                        f"data.max_length {opts.max_length} leaves them after the prompt, so the pair prefers nothing")
+    rows = [_row(cut, c) for c in kept]
     if desirable is not None:
         empty = (np.zeros(0, np.int32), np.zeros(0, np.int32))
         rows = [rows[0], empty] if desirable else [empty, rows[0]]
@@ -193,6 +205,11 @@ class PairView(Sequence):
 
     def lengths(self) -> np.ndarray:
         return self.rows.lengths().reshape(-1, 2).sum(axis=1)
+
+    def longest_row(self) -> int:
+        """The most positions one forward row uses: chosen and rejected are rows of their own."""
+        lengths = self.rows.lengths()
+        return int(lengths.max()) if len(lengths) else 0
 
     def subset(self, indices: Sequence[int] | np.ndarray) -> PairView:
         pairs = np.asarray(indices, dtype=np.int64).reshape(-1, 1)

@@ -133,7 +133,9 @@ class Objective:
 class DPO(Objective):
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
-        self.length_normalized = bool(cfg.pref.length_normalization)
+        # Empty: IPO compares per-token means (its margin target 1/(2 tau) is per token, as TRL has it), DPO sums.
+        normalize = cfg.pref.length_normalization
+        self.length_normalized = cfg.train.objective == "ipo" if normalize is None else normalize
 
     def __call__(self, logps: PairLogps):
         losses, chosen, rejected = dpo_loss(*self.compared(logps), self.beta, self.p.label_smoothing)

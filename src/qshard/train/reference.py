@@ -61,6 +61,13 @@ def load_init_adapter(cfg: Config, model: nn.Module) -> Path:
     for option, ours, theirs in wanted:
         if float(ours) != float(theirs):
             raise QShardError(f"train.init_adapter: {adapter} was trained with {option} {theirs}, this run has {ours}")
+    # Modules the adapter trained in full must train here too: loaded into a frozen base, they would be left out
+    # of this run's adapter, and whoever loads it would lose them.
+    theirs_full = sorted(config.get("modules_to_save") or [])
+    if theirs_full != sorted(cfg.lora.modules_to_save or []):
+        raise QShardError(f"train.init_adapter: {adapter} trained {theirs_full or 'no modules'} in full "
+                          f"(modules_to_save), this run lora.modules_to_save {cfg.lora.modules_to_save or []}; "
+                          "give the same")
     set_adapter(model, adapter_params(read_adapter_tensors(adapter)), adapter)
     return adapter
 
