@@ -392,6 +392,7 @@ def test_dpo_learns_the_preference_with_its_metrics(tiny_models, tmp_path, dist_
     assert 0.2 <= before <= 0.8 and after > 0.9, (before, after)
     assert records[-1]["eval_rewards_accuracy"] > 0.9 and records[-1]["eval_rewards_margin"] > 0
     assert result.summary["eval_rewards_accuracy_end"] == records[-1]["eval_rewards_accuracy"]
+    assert result.summary["eval_ppl_end"] is None  # a preference loss has no perplexity
 
 
 def test_world_size_2_and_a_resumed_run_match_one_uninterrupted_run(tiny_models, tmp_path):

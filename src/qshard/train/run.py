@@ -445,6 +445,8 @@ def _check_positions(cfg: Config, env: DistEnv, inputs: _Inputs) -> None:
 def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: float) -> dict:
     """summary.json's fields: what was trained, the first and last losses, the time taken, where the results are."""
     records, first, last = fit.records, fit.first, fit.last
+    # A preference loss is no token cross-entropy: its exponential is no perplexity.
+    perplexity = cfg.train.objective == "sft"
     return {
         "train_type": cfg.train.train_type,
         "objective": cfg.train.objective,
@@ -455,8 +457,8 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
         "train_loss_last": records[-1]["loss"] if records else None,
         "eval_loss_start": first.loss if first else None,
         "eval_loss_end": last.loss if last else None,
-        "eval_ppl_start": first.perplexity if first else None,
-        "eval_ppl_end": last.perplexity if last else None,
+        "eval_ppl_start": first.perplexity if first and perplexity else None,
+        "eval_ppl_end": last.perplexity if last and perplexity else None,
         # A preference objective's held-out metrics after training (eval_rewards_accuracy, ...).
         **({f"eval_{k}_end": v for k, v in last.metrics.items()} if last else {}),
         "elapsed_s": time.perf_counter() - started,
