@@ -54,6 +54,9 @@ def test_options_that_would_change_the_reference_are_refused():
     with pytest.raises(QShardError, match="train.init_adapter: continues an adapter of the original base"):
         from_dict({"train": {"init_adapter": "run"}, "lora": {"init": "olora"}}).validate()
     from_dict({"train": {"objective": "orpo"}, "lora": {"init": "pissa"}}).validate()  # reference-free: fine
+    with pytest.raises(QShardError, match=r"data.sources\[0\].columns: renames SFT fields; preference records"):
+        from_dict({"train": {"objective": "dpo"},
+                   "data": {"sources": [{"path": "a.jsonl", "columns": {"output": "answer"}}]}}).validate()
 
 
 def test_an_initial_adapter_trained_with_modules_in_full_needs_them_here(tmp_path):

@@ -438,6 +438,13 @@ class Config:
         if self.data.format != "auto" or any(s.format != "auto" for s in self.data.sources or []):
             raise QShardError(f"data.format: train.objective {objective} reads preference records "
                               "({prompt, chosen, rejected} or kto's {prompt, completion, label}); leave it auto")
+        renamed = [name for name, c in [("data.columns", getattr(self.data, "columns", None)),
+                                        *((f"data.sources[{i}].columns", src.columns)
+                                          for i, src in enumerate(self.data.sources or []))]
+                   if c is not None and any(dataclasses.astuple(c))]
+        if renamed:
+            raise QShardError(f"{renamed[0]}: renames SFT fields; preference records are read by their own names "
+                              "(prompt, chosen, rejected; kto's prompt, completion, label)")
         if self.train.train_type in ADAPTERLESS_TRAIN_TYPES and objective in REFERENCE_OBJECTIVES:
             raise QShardError(f"train.objective: {objective} takes its reference from the base with the adapters "
                               f"switched off, and train.train_type {self.train.train_type} trains no adapters")
