@@ -111,6 +111,11 @@ def _rank_results(results: str) -> dict[int, dict]:
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(results).glob("rank*.json")}
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a process group's rendezvous."""
+    return _free_ports(1)[0]
+
+
 def _free_ports(n: int) -> list[int]:
     sockets = [socket.socket() for _ in range(n)]
     try:

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
-from conftest import spawn
+from conftest import free_port, spawn
 
 RUNS = [("lora", "fsdp"), ("qlora", "fsdp"), ("qlora", "dtensor")]
 LAYERS, LINEARS = 2, 7  # tiny_models' llama: 2 blocks of q, k, v, o, gate, up, down
 # NF4 per weight: 4 bits of code plus one fp32 absmax per 64-weight block, against bf16's 16 bits.
 NF4_OVER_BF16 = (4 + 32 / 64) / 16  # 0.28125
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
@@ -45,7 +39,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 def measured(tmp_path_factory, tiny_models):
     model_dir = tiny_models("llama")  # hidden 128, intermediate 256: every block linear's in_features % 64 == 0
     out = tmp_path_factory.mktemp("comm")
-    spawn(_worker, (2, _free_port(), str(model_dir), str(out)))
+    spawn(_worker, (2, free_port(), str(model_dir), str(out)))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 
 import pytest
 import torch
-from conftest import cli, cli_env, run_on_ranks, spawn
+from conftest import cli, cli_env, free_port, run_on_ranks, spawn
 from safetensors.torch import load_file
 
 
@@ -78,11 +77,6 @@ def test_world_size_2_matches_world_size_1(ws1_run, tmp_path, tiny_models, quant
 # Sharded storage: a 2-rank process group spawned here.
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 QUANT_SHARDINGS = ("fsdp", "dtensor")
 
@@ -127,7 +121,7 @@ def sharded_storage(tmp_path_factory, tiny_models):
     """Both quantized-storage shardings measured by one pair of spawned ranks: starting two processes (Python
     and torch's imports, each) costs more than both measurements."""
     out = tmp_path_factory.mktemp("storage")
-    spawn(_sharding_worker, (2, _free_port(), str(tiny_models("llama")), str(out)))
+    spawn(_sharding_worker, (2, free_port(), str(tiny_models("llama")), str(out)))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import SRC, spawn
+from conftest import SRC, free_port, spawn
 from safetensors.torch import load_file, save_file
 from test_train import _config
 
@@ -269,11 +268,6 @@ def test_random_init_from_named_shape(dist_env):
 # ------------------------------------------------------------------------------------ broadcast from rank 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _load_worker(rank, world, port, model_dir, broken_dir, result_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -304,7 +298,7 @@ def test_broadcast_load_matches_each_rank_load(tiny_models, tmp_path):
     model_dir = tiny_models("llama")
     broken = _copy(model_dir, tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"\x10\x00")
-    spawn(_load_worker, (2, _free_port(), str(model_dir), str(broken), str(tmp_path)))
+    spawn(_load_worker, (2, free_port(), str(model_dir), str(broken), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for each, sent in ((r["each_rank"], r["broadcast"]) for r in results):
         assert each.keys() == sent.keys()

@@ -4,12 +4,11 @@ gradients reach FSDP2 (world sizes 1 and 2), and a block saves less for backward
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import spawn
+from conftest import free_port, spawn
 from torch.distributed.tensor import DTensor
 
 from qshard.config import resolve
@@ -69,11 +68,6 @@ def test_tiled_mlp_equals_plain(dist_env, tiny_models, options):
     assert _compare(tiny_models("llama"), dist_env, options, ids)["error"] < 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -89,7 +83,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -
 
 
 def test_tiled_mlp_gradients_reach_fsdp2_world_size_2(tmp_path, tiny_models):
-    spawn(_worker, (2, _free_port(), str(tiny_models("llama")), str(tmp_path)))
+    spawn(_worker, (2, free_port(), str(tiny_models("llama")), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert results[0]["loss"] != results[1]["loss"]  # different data on each rank
     assert all(r["error"] < 1e-5 for r in results), results

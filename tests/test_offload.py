@@ -6,10 +6,9 @@ spawned gloo processes."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
-from conftest import spawn
+from conftest import free_port, spawn
 
 from qshard.config import resolve
 
@@ -106,11 +105,6 @@ def test_offloaded_storage_world_size_1(tiny_models, dist_env):
         assert result["shard_rows"] == result["rows"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -125,7 +119,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -
 
 def test_offloaded_storage_world_size_2(tmp_path, tiny_models):
     model_dir = tiny_models("llama")
-    spawn(_worker, (2, _free_port(), str(model_dir), str(tmp_path)))
+    spawn(_worker, (2, free_port(), str(model_dir), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for method in ("nf4", "hqq"):
         assert results[0][method]["losses"] == results[1][method]["losses"]

@@ -4,11 +4,10 @@ a real step at world size 1 (this process) and 2 (gloo), and fp16 overflow handl
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-from conftest import device_batch, spawn
+from conftest import device_batch, free_port, spawn
 
 from qshard.config import Config, from_dict
 from qshard.errors import QShardError
@@ -91,11 +90,6 @@ def test_precision_dtypes_world_size_1(dist_env, tiny_models):
         assert not found["frozen"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:
     os.environ.update(
@@ -144,7 +138,7 @@ def _overflow(env, model_dir) -> dict:
 @pytest.fixture(scope="module")
 def world_size_2(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("prec2")
-    spawn(_worker, (2, _free_port(), str(tiny_models("llama")), str(out)))
+    spawn(_worker, (2, free_port(), str(tiny_models("llama")), str(out)))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

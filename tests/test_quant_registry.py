@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import SRC, LogLines, spawn
+from conftest import SRC, LogLines, free_port, spawn
 from safetensors.torch import load_file
 
 from qshard import cli
@@ -89,11 +88,6 @@ def _losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, port: int, model_dir: str, data: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
@@ -135,7 +129,7 @@ def runs(toy, tiny_models, tmp_path_factory):
     model_dir = tiny_models("llama")
     for name, train_type in (("lora", "lora"), ("ws1", "qlora")):
         assert cli.main(["train", *_flags(_options(root / name, model_dir, data, 1, train_type))]) == 0
-    spawn(_worker, (_free_port(), str(model_dir), str(data), str(root / "ws2")))
+    spawn(_worker, (free_port(), str(model_dir), str(data), str(root / "ws2")))
     ranks = [torch.load(root / "ws2" / f"rank{r}.pt") for r in range(2)]
     return root, model_dir, ranks
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 from importlib import resources
 
 import pytest
 import torch
-from conftest import LogLines, spawn
+from conftest import LogLines, free_port, spawn
 
 STEPS = 2
 OFFLOADED_GRAD_OP = [("quant.method", "hqq"), ("parallel.cpu_offload", "true"), ("parallel.sharding", "grad_op")]
@@ -33,11 +32,6 @@ PAIRS = (("nf4-int", "nf4-carriers"), ("nf4-int-hybrid", "nf4-carriers"),
          ("hqq-int-compiled-offload-grad_op", "hqq-carriers-offload-grad_op"))
 PROBE = "byte for byte"  # in the log line the passed probe writes
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _options(model_dir: str, out: str, extra: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -145,7 +139,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, tiny_models):
     out = tmp_path_factory.mktemp("storage")
-    spawn(_worker, (_free_port(), str(tiny_models("llama")), str(out)))
+    spawn(_worker, (free_port(), str(tiny_models("llama")), str(out)))
     return out, [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
