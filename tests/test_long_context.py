@@ -326,3 +326,17 @@ def test_offload_pool_reuses_host_buffers_across_steps(dist_env, tiny_models, mo
     assert pool.free and head.numel() * head.element_size() not in pool.free
     logged = [line for line in lines.lines if line.startswith("activation offload:")]
     assert len(logged) == 1 and "KiB per token" in logged[0], lines.lines
+
+
+def test_offload_pool_stays_near_one_step_as_lengths_grow():
+    """Steps of growing length (data sorted by length, say): the pool drops what no longer fits instead of
+    keeping every earlier size (it held 29x a step's need before)."""
+    from qshard.parallel import offload
+
+    pool = offload.HostPool(pin=False)
+    for step in range(1, 41):
+        taken = [pool.take(1000 * step + block) for block in range(8)]  # one step: 8 blocks' inputs
+        for buffer in taken:
+            pool.give(buffer)
+        assert pool.nbytes <= 2 * sum(b.size for b in taken), (step, pool.nbytes)
+    assert pool.in_use == 0

@@ -63,7 +63,8 @@ class HostPool:
     input of 2.8 GB (342k tokens of an 8B model) would take 4 GiB, and the checkpoints of all blocks 1.4x
     what they hold. The pool instead page-locks plain host tensors of exactly the size asked for
     (cudaHostRegister). A buffer is reused for the smallest request it fits, once the last copy that used it
-    has passed (its event)."""
+    has passed (its event); when none fits, the free buffers smaller than the request are dropped first, so
+    the pool stays near one step's worth as lengths vary."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -81,11 +82,22 @@ class HostPool:
             if not self.free[size]:
                 del self.sizes[i]
         else:
+            self._release_below(nbytes)
             buffer = _HostBuffer(_host_bytes(nbytes, self.pin))
             self.nbytes += nbytes
             self.allocations += 1
         self.in_use += buffer.size
         return buffer
+
+    def _release_below(self, nbytes: int) -> None:
+        """Drop the free buffers smaller than `nbytes`: a request none fits means the tensors saved have grown
+        (longer sequences), and keeping the smaller ones would let the pool grow with every new length."""
+        while self.sizes and self.sizes[0] < nbytes:
+            size = self.sizes.pop(0)
+            for buffer in self.free.pop(size):
+                if buffer.last_use is not None:  # its last copy must be done before its memory goes
+                    buffer.last_use.synchronize()
+                self.nbytes -= buffer.size
 
     def give(self, buffer: _HostBuffer) -> None:
         self.in_use -= buffer.size
