@@ -165,3 +165,30 @@ def test_tiled_mlps_are_planned_as_one_tile_of_intermediates(capsys):
     assert abs(at_128k["tok_s"] - 2396) <= 0.2 * 2396, at_128k
     assert abs(at_256k["peak_gpu_gib"] - 44.22) <= 0.1 * 44.22, at_256k
     assert abs(at_256k["peak_host_gib"] - 76.08) <= 0.1 * 76.08, at_256k
+
+
+def test_fit_keeps_the_runs_hybrid_sharding_and_offers_no_compile_the_run_cannot(tiny_models, capsys):
+    """--fit with hybrid sharding searched only full and grad_op (which the replica count refuses) and failed on an
+    assertion; it also offered compile where the run had it off (no Triton, or compile false)."""
+    model = str(tiny_models("llama"))
+    found = _plan(capsys, "--model", model, "--gpus", "2x2", "--parallel.sharding", "hybrid", "--gpu-kind", "h200",
+                  "--seq", "64", "--parallel.compile", "false", "--fit")
+    assert found["fit"], found
+    flags = [" ".join(c["overrides"]) for c in found["fit"]]
+    assert not any("--parallel.compile true" in f for f in flags), flags
+    assert any("--parallel.sharding" not in f for f in flags), flags  # the run's own hybrid sharding is kept
+
+
+def test_fit_offers_tiled_mlps_only_to_blocks_that_take_them(tiny_models):
+    from qshard.config import resolve
+    from qshard.parallel.tiling import tileable
+    from qshard.planner import fit
+    from qshard.planner.command import plan_model
+
+    def tiles(model_type: str) -> set:
+        cfg = resolve(None, [("model.path", str(tiny_models(model_type))), ("data.max_length", "32768"),
+                             ("lora.target_modules", "q_proj,k_proj,v_proj,o_proj")])
+        blocks = plan_model(cfg, 1).blocks
+        return {s["parallel.mlp_tile_tokens"] for s in fit._settings(cfg, 1, 32768, tileable(blocks))}
+    assert tiles("llama") == {0, fit.MLP_TILE}
+    assert tiles("qwen2_moe") == {0}  # a mixture-of-experts MLP is not tiled (the build refuses it)

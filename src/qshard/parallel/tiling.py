@@ -131,6 +131,11 @@ def tile_mlps(model: nn.Module, blocks: list[nn.Module], tile: int) -> None:
         mlp.forward = functools.partial(_tiled_forward, mlp, mlp.forward, tile, rng)
 
 
+def tileable(blocks: list[nn.Module]) -> bool:
+    """Whether `tile_mlps` takes these blocks: each has an `mlp` module, none of experts."""
+    return all(isinstance(getattr(b, "mlp", None), nn.Module) and not _has_experts(b.mlp) for b in blocks)
+
+
 def _has_experts(mlp: nn.Module) -> bool:
     return any(isinstance(m, QuantizedExperts) or name.rsplit(".", 1)[-1] == "experts"
                for name, m in mlp.named_modules())

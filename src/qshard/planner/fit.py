@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from qshard.build import Skeleton
 from qshard.config import QUANTIZED_TRAIN_TYPES, Config
 from qshard.errors import QShardError
+from qshard.parallel.tiling import tileable
 from qshard.planner.activations import probe_activations
 from qshard.planner.estimate import Estimate, estimate
 from qshard.planner.hardware import Machine
@@ -28,19 +29,22 @@ class Candidate:
         return " ".join(f"--{key} {value}" for key, value in self.overrides) or "(the settings as given)"
 
 
-def _settings(cfg: Config, world: int, seq: int) -> list[dict[str, object]]:
-    """Every combination searched, as {dotted key: value}: tiled MLPs only where a sequence spans several tiles."""
+def _settings(cfg: Config, world: int, seq: int, tiles_allowed: bool) -> list[dict[str, object]]:
+    """Every combination searched, as {dotted key: value}: the run's own sharding and the plain ones; compile
+    only where the run could compile (`cfg` holds what parallel.compile decided: off without Triton, or when
+    the user said false); tiled MLPs only where the blocks take them and a sequence spans several tiles."""
     t, p = cfg.train, cfg.parallel
     batch = t.micro_batch_size * t.grad_accum
     micro = [m for m in (1, 2, 4, 8, 16) if batch % m == 0] or [t.micro_batch_size]
     checkpointing = [(False, 1)] + [(True, k) for k in AC_EVERY]
-    shardings = ["full", "grad_op"] if world > 1 else [p.sharding]
+    shardings = list(dict.fromkeys([p.sharding, "full", "grad_op"])) if world > 1 else [p.sharding]
+    compiles = (True, False) if p.compile else (False,)
     quantized = t.train_type in QUANTIZED_TRAIN_TYPES
     found = []
-    tiles = (0, MLP_TILE) if seq >= 2 * MLP_TILE else (0,)
+    tiles = (0, MLP_TILE) if tiles_allowed and seq >= 2 * MLP_TILE else (0,)
     for m, (ac, every), proj, act_off, cpu_off, chunk, compiled, sharding, tile in itertools.product(
             micro, checkpointing, (False, True) if quantized and world == 1 else (False,), (False, True),
-            (False, True), LOSS_CHUNKS, (True, False), shardings, tiles):
+            (False, True), LOSS_CHUNKS, compiles, shardings, tiles):
         found.append({
             "train.micro_batch_size": m, "train.grad_accum": batch // m,
             "parallel.activation_checkpointing": ac, "parallel.ac_every": every,
@@ -80,7 +84,7 @@ def search(model: Skeleton, cfg: Config, machine: Machine, seq: int, top: int = 
     layouts: dict = {}
     seen, fitting = set(), []
     smallest: Candidate | None = None
-    for setting in _settings(cfg, machine.world_size, seq):
+    for setting in _settings(cfg, machine.world_size, seq, tileable(model.blocks)):
         new = _apply(cfg, setting)
         if new is None:
             continue
@@ -94,7 +98,9 @@ def search(model: Skeleton, cfg: Config, machine: Machine, seq: int, top: int = 
             smallest = candidate
         if candidate.estimate.fits:
             fitting.append(candidate)
-    assert smallest is not None, "the settings as given are among those searched"
+    if smallest is None:
+        raise QShardError("qshard plan --fit: none of the settings searched is valid with the options given "
+                          "(run qshard plan without --fit to see why)")
     # Among settings equally fast, the fewest changes first; one that only adds changes to a listed one that is as
     # fast is left out.
     fitting.sort(key=lambda c: (-round(c.estimate.tok_s), len(c.overrides), c.estimate.peak_gpu_gib))
