@@ -98,8 +98,8 @@ COMPANIONS = {
                                                                 "max_prompt_length", "precompute_reference")},
     "pref.orpo_lambda": {"train.objective": "orpo"},
     "pref.simpo_gamma": {"train.objective": "simpo"},
-    "pref.kto_desirable_weight": {"train.objective": "kto"},
-    "pref.kto_undesirable_weight": {"train.objective": "kto"},
+    "pref.kto_desirable_weight": {"train.objective": "kto", "train.micro_batch_size": "2"},
+    "pref.kto_undesirable_weight": {"train.objective": "kto", "train.micro_batch_size": "2"},
 }
 
 
