@@ -496,7 +496,8 @@ def test_dpo_learns_the_preference_with_its_metrics(tiny_models, tmp_path, dist_
 
 def test_world_size_2_and_a_resumed_run_match_one_uninterrupted_run(tiny_models, tmp_path):
     """DPO over the same global batch: 1 rank x 2 micro-batches, 2 ranks x 1 (real processes, gloo), and the
-    first run resumed from its step-2 checkpoint give the same losses and metrics, step by step."""
+    first run resumed from its step-2 checkpoint give the same losses and metrics, step by step. So does KTO on
+    1 and 2 ranks: its reference point is the whole global batch's, on every rank."""
     import json
     import shutil
 
@@ -521,8 +522,25 @@ def test_world_size_2_and_a_resumed_run_match_one_uninterrupted_run(tiny_models,
     shutil.rmtree(step_dir(tmp_path / "resumed" / "checkpoints", 4))
     (tmp_path / "resumed" / "summary.json").unlink()
     assert main(args("resumed", "--grad-accum", "2", "--resume", "auto")) == 0
-    ranks = run_on_ranks({"two": args("two", "--grad-accum", "1")})["two"]
-    assert all(run.code == 0 for run in ranks), ranks[0].stderr
+    kto = [{"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"}
+           for p in map(json.loads, Path(cfg.data.path).read_text().splitlines()) for key in ("chosen", "rejected")]
+    kto_data = str(_write_jsonl(tmp_path / "kto.jsonl", kto))
+
+    def kto_args(out, grad_accum):
+        return ["train", "--model", cfg.model.path, "--data", kto_data, "--data.cache_dir", cfg.data.cache_dir,
+                "--output-dir", str(tmp_path / out), "--train.objective", "kto", "--max-steps", "3", "--batch-size",
+                "4", "--grad-accum", grad_accum, "--train.precision", "fp32", "--data.max_length", "32", "--lr",
+                "2e-2", "--optim.warmup_steps", "0"]
+
+    assert main(kto_args("kto-one", "2")) == 0
+    runs = run_on_ranks({"two": args("two", "--grad-accum", "1"), "kto-two": kto_args("kto-two", "1")})
+    ranks = runs["two"]
+    assert all(run.code == 0 for run in ranks + runs["kto-two"]), ranks[0].stderr + runs["kto-two"][0].stderr
+    kto_fields = ["loss", "kl", "rewards_chosen", "rewards_rejected", "logps_chosen"]
+    kto_one, kto_two = records("kto-one"), records("kto-two")
+    assert len(kto_one) == 3 and kto_one[-1]["kl"] > 0  # a reference point above 0 once the policy moved
+    for a, b in zip(kto_one, kto_two, strict=True):
+        torch.testing.assert_close([b[f] for f in kto_fields], [a[f] for f in kto_fields], rtol=1e-5, atol=1e-5)
     one, resumed, two = records("one"), records("resumed"), records("two")
     fields = ["loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected",
               "eval_loss", "eval_rewards_margin", "eval_rewards_accuracy"]
