@@ -97,9 +97,10 @@ COMPANIONS = {
     **{f"pref.{name}": {"train.objective": "dpo"} for name in ("beta", "label_smoothing", "length_normalization",
                                                                 "max_prompt_length", "precompute_reference")},
     "pref.orpo_lambda": {"train.objective": "orpo"},
+    "train.objective": {"train.micro_batch_size": "2"},  # its other value, kto, compares examples of a micro-batch
     "pref.simpo_gamma": {"train.objective": "simpo"},
-    "pref.kto_desirable_weight": {"train.objective": "kto"},
-    "pref.kto_undesirable_weight": {"train.objective": "kto"},
+    "pref.kto_desirable_weight": {"train.objective": "kto", "train.micro_batch_size": "2"},
+    "pref.kto_undesirable_weight": {"train.objective": "kto", "train.micro_batch_size": "2"},
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import LogLines
 
+from qshard.adapters.lora import LoRALinear
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.train import preference as pref
@@ -115,12 +116,17 @@ def test_simpo_loss_and_gradient_are_the_papers():
 def test_kto_loss_and_gradient_are_the_papers():
     pd, pu, rd, ru = _logps(n=4, seed=4)
     pd, rd = pd[:3].detach().requires_grad_(), rd[:3]  # unequal counts of desirable and undesirable examples
+    # The mismatched pairs' log-probs (prompt i with another example's completion), of two micro-batches; the last
+    # row of the second compares nothing (weight 0).
+    pm, rm = (-(torch.rand(7, generator=torch.Generator().manual_seed(s), dtype=torch.float64) * 20) for s in (5, 6))
+    pm = pm.requires_grad_()
+    w = torch.tensor([1.0, 1, 1, 1, 1, 1, 0])
     beta, wd, wu = 0.2, 1.0, 1.5
-    kl = pref.kto_kl(pd, pu, rd, ru)
-    ratios = [a - c for a, c in zip(pd.tolist(), rd.tolist(), strict=True)]
-    ratios += [b - d for b, d in zip(pu.tolist(), ru.tolist(), strict=True)]
-    z0 = max(0.0, sum(ratios) / len(ratios))
-    assert kl.item() == pytest.approx(z0) and not kl.requires_grad
+    kl = pref.kto_kl([pm[:4], pm[4:]], [rm[:4], rm[4:]], [w[:4], w[4:]])
+    mismatched = [a - c for a, c in zip(pm.tolist()[:6], rm.tolist()[:6], strict=True)]
+    z0 = max(0.0, sum(mismatched) / len(mismatched))
+    assert z0 > 0 and kl.item() == pytest.approx(z0) and not kl.requires_grad
+    assert pref.kto_kl([pm[:1]], [pm[:1].detach() + 1], [w[:1]]).item() == 0  # at least 0
 
     @_use
     def theirs(pd, pu):  # z0 held fixed: the paper's reference point takes no gradient
@@ -129,6 +135,95 @@ def test_kto_loss_and_gradient_are_the_papers():
 
     loss_d, loss_u, _, _ = pref.kto_loss(pd, pu, rd, ru, kl, beta, wd, wu)
     _check(torch.cat([loss_d, loss_u]), theirs(pd.detach(), pu.detach()), (pd, pu))
+
+
+class _Adapters(LoRALinear):
+    """A stand-in policy: its log-probs are a function of the tokens written out below, and adapters_disabled
+    switches it to its reference (it counts as a LoRA layer)."""
+
+    def __init__(self, match: float, shift: list[float]):
+        torch.nn.Module.__init__(self)  # none of a LoRA layer's weights: only its switch
+        self.match = torch.nn.Parameter(torch.tensor(match, dtype=torch.float64))
+        self.shift = shift
+        self.adapter_enabled = True
+
+
+def _stand_in_head():
+    class Head:
+        @staticmethod
+        def token_logps(model, batch):
+            """Reference: -1 a token. Policy: + shift[prompt] a token, + match for a completion token equal to
+            its prompt's token + 10 (the prompt's own answer)."""
+            labels = batch["labels"][:, 1:]
+            rows, cols = (labels != -100).nonzero(as_tuple=True)
+            token, prompt = labels[rows, cols], batch["input_ids"][rows, 0]
+            out = torch.full(token.shape, -1.0, dtype=torch.float64)
+            if model.adapter_enabled:
+                shift = torch.tensor(model.shift, dtype=torch.float64)[prompt]
+                out = out + shift + model.match * (token == prompt + 10)
+            return out
+
+    return Head()
+
+
+def _kto_examples(labels):
+    from qshard.data.example import Example
+    from qshard.data.preference import Pair
+
+    empty = Example([], [])
+    pairs = []
+    for p, desirable in enumerate(labels):  # prompt [p, 7], completion [p + 10, p + 10]
+        row = Example([p, 7, p + 10, p + 10], [-100, -100, p + 10, p + 10])
+        pairs.append(Pair(row, empty) if desirable else Pair(empty, row))
+    return pairs
+
+
+def test_kto_reference_point_is_from_mismatched_pairs_of_the_whole_global_batch():
+    """The KTO loss of collated examples against the paper's, z0 from each prompt paired with the next example's
+    completion: the same for the global batch as one micro-batch of 4 or two of 2 (here each mismatched pair's
+    log-ratio depends on its prompt alone); and a desirable example of a large reward saturates."""
+    from qshard.data.preference import collate_kto, mismatched_rows
+
+    cfg = Config()
+    cfg.train.objective, cfg.train.micro_batch_size, cfg.pref.beta = "kto", 2, 0.5
+    loss_fn = pref.PreferenceLoss(cfg.validate(), _stand_in_head())
+    labels, shift, match, beta = [True, False, True, False], [0.3, -0.1, 0.6, 0.2], 0.4, 0.5
+    pairs = _kto_examples(labels)
+
+    kl = mismatched_rows(collate_kto(pairs, pad_id=0))
+    # Each example's prompt with the next one's completion, the last's with the first's.
+    assert kl["input_ids"].tolist() == [[0, 7, 11, 11], [1, 7, 12, 12], [2, 7, 13, 13], [3, 7, 10, 10]]
+    assert kl["labels"][:, :2].eq(-100).all() and kl["weight"].tolist() == [1, 1, 1, 1]
+    assert mismatched_rows(collate_kto(pairs[:1], pad_id=0))["weight"].tolist() == [0]  # nothing to pair it with
+
+    z0 = max(0.0, sum(2 * s for s in shift) / 4)  # a mismatched pair: 2 tokens of its prompt's shift, no match
+    rewards = [2 * (s + match) for s in shift]
+    expected = sum(1 - _sig(beta * (r - z0)) if d else 1 - _sig(beta * (z0 - r)) for r, d in zip(rewards, labels))
+
+    def step_loss(model, batches):
+        batches = [collate_kto(b, pad_id=0) for b in batches]
+        loss_fn.start_step(model, batches)
+        assert all(b["kto_z0"].item() == pytest.approx(z0) for b in batches)
+        return sum(loss_fn(model, b)[0] for b in batches)
+
+    model = _Adapters(match, shift)
+    whole = step_loss(model, [pairs])
+    assert whole.item() == pytest.approx(expected)
+    halves = step_loss(model, [pairs[:2], pairs[2:]])  # each half alone would have its own z0
+    assert halves.item() == pytest.approx(expected)
+    (grad,) = torch.autograd.grad(whole, model.match)
+    theirs = sum(-2 * beta * _sig(beta * (r - z0)) * (1 - _sig(beta * (r - z0))) * (1 if d else -1)
+                 for r, d in zip(rewards, labels))
+    assert grad.item() == pytest.approx(theirs)
+    alone = loss_fn(model, collate_kto(pairs, pad_id=0))[0]  # evaluated without start_step: its own z0
+    assert alone.item() == pytest.approx(expected)
+
+    # Desirable examples of a large reward: loss and gradient go to 0 (not 0.5 and -beta / 4 as with z0 = r).
+    desirable = _kto_examples([True, True])
+    model = _Adapters(40.0, [0.0, 0.0])
+    loss = loss_fn(model, collate_kto(desirable, pad_id=0))[0]
+    (grad,) = torch.autograd.grad(loss, model.match)
+    assert loss.item() < 1e-6 and abs(grad.item()) < 1e-6
 
 
 def test_objectives_are_chosen_once_with_their_defaults():
@@ -165,6 +260,11 @@ def test_objectives_are_chosen_once_with_their_defaults():
     ({"train.objective": "dpo", "data.packing": True}, "data.packing: train.objective dpo"),
     ({"train.objective": "dpo", "train.train_type": "full"}, "train.objective: dpo takes its reference"),
     ({"train.objective": "rlhf"}, "train.objective must be one of sft, dpo, ipo, orpo, simpo, kto"),
+    ({"train.objective": "kto", "train.micro_batch_size": 1}, "train.micro_batch_size: train.objective kto estimates"),
+    ({"train.objective": "kto", "train.micro_batch_size": 2, "pref.precompute_reference": True},
+     "pref.precompute_reference: train.objective kto's reference point needs"),
+    ({"train.objective": "kto", "train.micro_batch_size": 2, "train.init_adapter": "run"},
+     "train.init_adapter: train.objective kto would need"),
 ])
 def test_bad_preference_options_are_one_line_exit_2(setting, message, capsys):
     from qshard.cli import main
@@ -397,7 +497,8 @@ def test_dpo_learns_the_preference_with_its_metrics(tiny_models, tmp_path, dist_
 
 def test_world_size_2_and_a_resumed_run_match_one_uninterrupted_run(tiny_models, tmp_path):
     """DPO over the same global batch: 1 rank x 2 micro-batches, 2 ranks x 1 (real processes, gloo), and the
-    first run resumed from its step-2 checkpoint give the same losses and metrics, step by step."""
+    first run resumed from its step-2 checkpoint give the same losses and metrics, step by step. So does KTO on
+    1 and 2 ranks: its reference point is the whole global batch's, on every rank."""
     import json
     import shutil
 
@@ -422,8 +523,25 @@ def test_world_size_2_and_a_resumed_run_match_one_uninterrupted_run(tiny_models,
     shutil.rmtree(step_dir(tmp_path / "resumed" / "checkpoints", 4))
     (tmp_path / "resumed" / "summary.json").unlink()
     assert main(args("resumed", "--grad-accum", "2", "--resume", "auto")) == 0
-    ranks = run_on_ranks({"two": args("two", "--grad-accum", "1")})["two"]
-    assert all(run.code == 0 for run in ranks), ranks[0].stderr
+    kto = [{"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"}
+           for p in map(json.loads, Path(cfg.data.path).read_text().splitlines()) for key in ("chosen", "rejected")]
+    kto_data = str(_write_jsonl(tmp_path / "kto.jsonl", kto))
+
+    def kto_args(out, grad_accum):
+        return ["train", "--model", cfg.model.path, "--data", kto_data, "--data.cache_dir", cfg.data.cache_dir,
+                "--output-dir", str(tmp_path / out), "--train.objective", "kto", "--max-steps", "3", "--batch-size",
+                "4", "--grad-accum", grad_accum, "--train.precision", "fp32", "--data.max_length", "32", "--lr",
+                "2e-2", "--optim.warmup_steps", "0"]
+
+    assert main(kto_args("kto-one", "2")) == 0
+    runs = run_on_ranks({"two": args("two", "--grad-accum", "1"), "kto-two": kto_args("kto-two", "1")})
+    ranks = runs["two"]
+    assert all(run.code == 0 for run in ranks + runs["kto-two"]), ranks[0].stderr + runs["kto-two"][0].stderr
+    kto_fields = ["loss", "kl", "rewards_chosen", "rewards_rejected", "logps_chosen"]
+    kto_one, kto_two = records("kto-one"), records("kto-two")
+    assert len(kto_one) == 3 and kto_one[-1]["kl"] > 0  # a reference point above 0 once the policy moved
+    for a, b in zip(kto_one, kto_two, strict=True):
+        torch.testing.assert_close([b[f] for f in kto_fields], [a[f] for f in kto_fields], rtol=1e-5, atol=1e-5)
     one, resumed, two = records("one"), records("resumed"), records("two")
     fields = ["loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "logps_chosen", "logps_rejected",
               "eval_loss", "eval_rewards_margin", "eval_rewards_accuracy"]

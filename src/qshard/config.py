@@ -448,6 +448,17 @@ class Config:
         if self.train.train_type in ADAPTERLESS_TRAIN_TYPES and objective in REFERENCE_OBJECTIVES:
             raise QShardError(f"train.objective: {objective} takes its reference from the base with the adapters "
                               f"switched off, and train.train_type {self.train.train_type} trains no adapters")
+        if objective == "kto" and self.train.micro_batch_size < 2:
+            raise QShardError("train.micro_batch_size: train.objective kto estimates its reference point from each "
+                              "prompt paired with another example's completion of the same micro-batch, so it needs "
+                              f"2 or more, got {self.train.micro_batch_size}")
+        if objective == "kto" and p.precompute_reference:
+            raise QShardError("pref.precompute_reference: train.objective kto's reference point needs the reference "
+                              "of prompts paired with other examples' completions, which change with every batch; "
+                              "use false (the reference is then computed each step)")
+        if objective == "kto" and self.train.init_adapter:
+            raise QShardError("train.init_adapter: train.objective kto would need the reference precomputed with that "
+                              "adapter (pref.precompute_reference), which kto's reference point does not allow")
         if self.train.init_adapter and objective in REFERENCE_OBJECTIVES and not p.precompute_reference:
             raise QShardError(f"train.init_adapter: train.objective {objective}'s reference is then the base with that "
                               "adapter as it starts, computed once before training: set pref.precompute_reference true")

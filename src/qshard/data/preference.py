@@ -236,9 +236,60 @@ def collate_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tensor]:
     if pairs[0].ref_chosen is not None:
         references = [p.ref_chosen for p in chosen] + [p.ref_rejected for p in rejected]
         batch["ref_logps"] = torch.tensor(references, dtype=torch.float32)
-    trained = batch["labels"][:, 1:] != IGNORE_INDEX
-    batch["loss_rows"] = trained.flatten().nonzero().squeeze(1) // trained.shape[1]
-    batch["row_tokens"] = trained.sum(dim=1).clamp(min=1).float()
+    _trained_rows(batch)
     batch["chosen_rows"] = torch.arange(len(chosen))
     batch["rejected_rows"] = torch.arange(len(chosen), len(chosen) + len(rejected))
     return batch
+
+
+def _trained_rows(batch: dict[str, torch.Tensor]) -> None:
+    """The row of each trained position (`loss_rows`) and each row's trained-token count (`row_tokens`)."""
+    trained = batch["labels"][:, 1:] != IGNORE_INDEX
+    batch["loss_rows"] = trained.flatten().nonzero().squeeze(1) // trained.shape[1]
+    batch["row_tokens"] = trained.sum(dim=1).clamp(min=1).float()
+
+
+# The keys of collate_kto's mismatched rows beside the batch's own.
+MISMATCHED = "kl."
+
+
+def collate_kto(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tensor]:
+    """collate_pairs' batch of KTO examples, with beside it (keys prefixed `kl.`) the mismatched rows its reference
+    point is estimated from: each example's prompt followed by the next example's completion (the last's by the
+    first's), the prompt untrained, cut to the batch's longest row. `kl.weight` is 0 for a row that compares
+    nothing (a batch of one example, or a prompt that leaves the completion no room), which is then still run so
+    that every rank runs the same forwards."""
+    batch = collate_pairs(pairs, pad_id)
+    rows = [r for p in pairs for r in (p.chosen, p.rejected) if len(r.input_ids)]
+    width = max(len(r.input_ids) for r in rows)
+    mismatched, weights = [], []
+    for i, row in enumerate(rows):
+        other = rows[(i + 1) % len(rows)]
+        prompt = _prompt_length(row)
+        completion = list(other.input_ids[_prompt_length(other):])[: width - prompt]
+        if len(rows) < 2 or not completion:
+            mismatched.append(row)
+            weights.append(0.0)
+            continue
+        ids = list(row.input_ids[:prompt]) + completion
+        mismatched.append(Example(ids, [IGNORE_INDEX] * prompt + completion))
+        weights.append(1.0)
+    kl = collate(mismatched, pad_id)
+    _trained_rows(kl)
+    kl["loss_positions"] = (kl["labels"][:, 1:] != IGNORE_INDEX).flatten().nonzero().squeeze(1)
+    if bool(kl["attention_mask"].all()):  # as the trainer leaves out the batch's own (no padding to mask)
+        del kl["attention_mask"]
+    kl["weight"] = torch.tensor(weights)
+    batch.update({MISMATCHED + k: v for k, v in kl.items()})
+    return batch
+
+
+def _prompt_length(row: Example) -> int:
+    """The untrained tokens a row starts with: its prompt."""
+    trained = np.flatnonzero(np.asarray(row.labels) != IGNORE_INDEX)
+    return int(trained[0]) if len(trained) else len(row.labels)
+
+
+def mismatched_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """collate_kto's mismatched rows as a batch of their own."""
+    return {k[len(MISMATCHED):]: v for k, v in batch.items() if k.startswith(MISMATCHED)}

@@ -150,6 +150,7 @@ class Trainer:
         batches, scale, counts = inputs.batches, inputs.scale, inputs.counts
         loss_sum = torch.zeros((), device=self.env.device)
         metric_sums = torch.zeros(2 * len(self.objective.metrics), device=self.env.device)
+        self.objective.start_step(self.model, batches)
         for batch in batches:
             with self.activation_offload(batch["input_ids"].numel()):
                 loss, sums = self.objective(self.model, batch)

@@ -186,5 +186,9 @@ class TokenObjective:
         return self.loss(model, batch), batch["input_ids"].new_zeros(0, dtype=torch.float32)
 
     @staticmethod
+    def start_step(_model: nn.Module, _batches: list[dict[str, torch.Tensor]]) -> None:
+        """Nothing to prepare for an optimizer step's micro-batches (KTO's reference point does)."""
+
+    @staticmethod
     def units(batch: dict[str, torch.Tensor]) -> int:
         return len(loss_positions(batch["labels"]))

@@ -12,7 +12,9 @@ the global batch and divides by its pair (or, for KTO, example) count.
   odds(y) = P(y) / (1 - P(y)) and log P(y) the mean token log-prob.
 - SimPO (Meng et al. 2024), reference-free: -log s(b (mean log pi(yw) - mean log pi(yl)) - gamma).
 - KTO (Ethayarajh et al. 2024): w_d (1 - s(b (r - z0))) for desirable examples, w_u (1 - s(b (z0 - r))) for
-  undesirable ones, r = log pi(y) - log ref(y), z0 the policy-to-reference KL estimate (no gradient).
+  undesirable ones, r = log pi(y) - log ref(y), z0 the policy-to-reference KL estimate (no gradient): the mean
+  log-ratio of mismatched prompt-completion pairs (each prompt with another example's completion) over the
+  global batch, at least 0.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from qshard.adapters import adapters_disabled
 from qshard.config import DEFAULT_BETA, REFERENCE_OBJECTIVES, Config
-from qshard.data.preference import collate_pairs
+from qshard.data.preference import collate_kto, collate_pairs, mismatched_rows
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class PairLogps:
     ref_rejected: torch.Tensor | None = None
     ref_chosen_mean: torch.Tensor | None = None
     ref_rejected_mean: torch.Tensor | None = None
+    kl: torch.Tensor | None = None  # KTO's reference point z0
 
 
 def dpo_loss(pc, pr, rc, rr, beta: float, label_smoothing: float = 0.0):
@@ -79,11 +83,15 @@ def simpo_loss(mean_pc, mean_pr, beta: float, gamma: float):
     return losses, chosen.detach(), rejected.detach()
 
 
-def kto_kl(pd, pu, rd, ru) -> torch.Tensor:
-    """KTO's reference point z0: the batch's mean policy-to-reference log-ratio, at least 0, with no gradient (the
-    paper's estimate uses mismatched prompt-completion pairs; this one uses the batch's own completions)."""
-    ratios = torch.cat([pd - rd, pu - ru]).detach()
-    return ratios.mean().clamp(min=0) if ratios.numel() else ratios.new_zeros(())
+def kto_kl(policy: list[torch.Tensor], reference: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor:
+    """KTO's reference point z0: the mean policy-to-reference log-ratio of the mismatched prompt-completion pairs
+    (per micro-batch: their log-probs and weights, 0 for a row that compares nothing), over every rank's, at
+    least 0, with no gradient. Summed over ranks, so every rank holds the same z0."""
+    ratios = [((p - r).detach().float() * w).sum() for p, r, w in zip(policy, reference, weights, strict=True)]
+    stats = torch.stack([torch.stack(ratios).sum(), torch.stack([w.sum() for w in weights]).float().sum()])
+    if dist.is_initialized():
+        dist.all_reduce(stats)
+    return (stats[0] / stats[1].clamp(min=1)).clamp(min=0)
 
 
 def kto_loss(pd, pu, rd, ru, kl, beta: float, desirable_weight: float, undesirable_weight: float):
@@ -173,8 +181,7 @@ class KTO(Objective):
     metrics = ("rewards_chosen", "rewards_rejected", "logps_chosen", "logps_rejected", "kl")
 
     def __call__(self, logps: PairLogps):
-        pd, pu, rd, ru = logps.chosen, logps.rejected, logps.ref_chosen, logps.ref_rejected
-        kl = kto_kl(pd, pu, rd, ru)
+        pd, pu, rd, ru, kl = logps.chosen, logps.rejected, logps.ref_chosen, logps.ref_rejected, logps.kl
         loss_d, loss_u, chosen, rejected = kto_loss(pd, pu, rd, ru, kl, self.beta, self.p.kto_desirable_weight,
                                                     self.p.kto_undesirable_weight)
         n_d, n_u, one = (torch.full((), float(v), device=kl.device) for v in (pd.numel(), pu.numel(), 1))
@@ -209,16 +216,22 @@ class PreferenceLoss:
     """train.objective's preference method over collated pairs (data.preference.collate_pairs): one policy
     forward over chosen and rejected together through the head loss's per-token log-probs (chunked where the
     architecture allows), and before it the reference's, without gradient and with the adapters switched off,
-    for the methods that have one. Normalized by the global batch's pairs (KTO: examples)."""
+    for the methods that have one. Normalized by the global batch's pairs (KTO: examples).
 
-    collate = staticmethod(collate_pairs)
+    KTO's reference point is set by `start_step` for the global batch's micro-batches (their mismatched rows run
+    through the policy and the reference without gradient first); a micro-batch evaluated alone estimates it from
+    its own (and the other ranks' of the same forward)."""
 
     def __init__(self, cfg: Config, head) -> None:
         self.objective = build_objective(cfg)
         self.metrics = self.objective.metrics
         self.head = head
-        self.unit = "examples" if cfg.train.objective == "kto" else "pairs"
-        self.units = _rows if cfg.train.objective == "kto" else _pairs
+        kto = cfg.train.objective == "kto"
+        self.unit = "examples" if kto else "pairs"
+        self.units = _rows if kto else _pairs
+        self.collate = collate_kto if kto else collate_pairs
+        self.start_step = self._kto_start_step if kto else _nothing
+        self.reference_point = self._kto_reference_point if kto else _no_reference
         self.reference = (_no_reference if not self.objective.needs_reference
                           else _precomputed if cfg.pref.precompute_reference else self._reference)
 
@@ -232,7 +245,29 @@ class PreferenceLoss:
         with torch.no_grad(), adapters_disabled(model):
             return self.sequence_logps(model, batch)[0]
 
+    def _mismatched_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """(policy, reference) log-probs of a KTO batch's mismatched rows, and their weights."""
+        kl = mismatched_rows(batch)
+        with torch.no_grad():
+            policy = self.sequence_logps(model, kl)[0]
+            with adapters_disabled(model):
+                reference = self.sequence_logps(model, kl)[0]
+        return policy, reference, kl["weight"]
+
+    def _kto_reference_point(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "kto_z0" in batch:  # set for the whole global batch by start_step
+            return batch["kto_z0"]
+        return kto_kl(*([t] for t in self._mismatched_logps(model, batch)))
+
+    def _kto_start_step(self, model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> None:
+        """KTO's reference point for one optimizer step: from every micro-batch's mismatched rows, on every rank."""
+        policy, reference, weights = zip(*(self._mismatched_logps(model, b) for b in batches), strict=True)
+        z0 = kto_kl(list(policy), list(reference), list(weights))
+        for batch in batches:
+            batch["kto_z0"] = z0
+
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        kl = self.reference_point(model, batch)
         reference = self.reference(model, batch)
         sums, means = self.sequence_logps(model, batch)
         rows = [sums, means]
@@ -241,10 +276,15 @@ class PreferenceLoss:
         chosen, rejected = batch["chosen_rows"], batch["rejected_rows"]
         # PairLogps' order: each quantity's chosen rows, then its rejected rows.
         split = [part for t in rows for part in (t.index_select(0, chosen), t.index_select(0, rejected))]
-        return self.objective(PairLogps(*split[:4], *split[4:6], *split[6:]))
+        return self.objective(PairLogps(*split[:4], *split[4:6], *split[6:], kl=kl))
+
+
+def _nothing(_model: nn.Module, _batches: list[dict[str, torch.Tensor]]) -> None:
+    """start_step of the objectives that prepare nothing for a step."""
 
 
 def _no_reference(_model: nn.Module, _batch: dict[str, torch.Tensor]) -> None:
+    """The reference (or KTO's reference point) of an objective without one."""
     return None
 
 

@@ -1,4 +1,4 @@
-"""The reference of the preference methods that have one (dpo, ipo, kto), where it is not computed each step.
+"""The reference of dpo and ipo (kto computes its own each step) where it is not computed each step.
 
 - pref.precompute_reference: each row's reference log-prob is computed once, before the first step, and kept
   beside the tokenized rows in their cache entry (`reference-<key>.npy`, the key naming the model and the
