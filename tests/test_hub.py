@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import _free_ports, spawn
+from conftest import free_port, spawn
 
 from qshard import cli
 from qshard.errors import QShardError
@@ -323,7 +323,7 @@ def test_unreachable_hub_falls_back_to_the_cache(hub_env, tiny_models, monkeypat
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_free_ports(1)[0]}")  # nothing listens there
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     with pytest.raises(QShardError, match=f"no cached copy of {REPO} at main in {hub_env}.*did not provide it"):
         resolve(HubModel(REPO))
     cached = write_cached(hub_env, REPO, COMMIT_A, model_files(tiny_models("llama")), refs=("main",))
@@ -364,7 +364,7 @@ def test_only_local_rank_0_downloads(online, hub_env, tiny_models, tmp_path):
     same snapshot; an error is both ranks'. Under broadcast loading rank 1 needs no cache."""
     files = model_files(tiny_models("llama"))
     hub = online({REPO: {"refs": {"main": COMMIT_A}, "commits": {COMMIT_A: files}}})
-    spawn(_resolve_on_rank, (_free_ports(1)[0], hub.url, str(hub_env), str(tmp_path)))
+    spawn(_resolve_on_rank, (free_port(), hub.url, str(hub_env), str(tmp_path)))
     found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     snapshot = hub_env / "models--org--tiny" / "snapshots" / COMMIT_A
     assert [f["each_rank"] for f in found] == [str(snapshot), str(snapshot)]

@@ -7,8 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import spawn
-from test_loading import _free_port
+from conftest import free_port, spawn
 from test_train import _config
 
 from qshard.loading import Checkpoint
@@ -44,7 +43,7 @@ def _train_worker(rank: int, world: int, port: int, model_dir: str, tmp: str) ->
 
 def test_broadcast_training_without_the_model_directory(tiny_models, tmp_path):
     model_dir = tiny_models("llama")
-    spawn(_train_worker, (2, _free_port(), str(model_dir), str(tmp_path)))
+    spawn(_train_worker, (2, free_port(), str(model_dir), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     assert [r["summary"]["steps"] for r in results] == [2, 2]
     # Each rank's codes and scales are its rows of the whole weight quantized at once.

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import spawn
+from conftest import free_port, spawn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from test_cli_errors import assert_one_error, run_in_process, train_args, write_jsonl
-from test_loading import _free_port
 
 from qshard import build, models
 from qshard.config import Config
@@ -92,7 +91,7 @@ def _broadcast_worker(rank: int, world: int, port: int, model_dir: str, tmp: str
 def test_auto_map_is_refused_on_every_rank_under_broadcast_loading(tiny_models, tmp_path):
     """Rank 0 refuses the directory before it ships its files to the others, who report the same line."""
     model_dir = with_code(copy_model(tiny_models("llama"), tmp_path / "model"), "tokenizer_config.json")
-    spawn(_broadcast_worker, (2, _free_port(), str(model_dir), str(tmp_path)))
+    spawn(_broadcast_worker, (2, free_port(), str(model_dir), str(tmp_path)))
     outcomes = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
     assert outcomes[0] == outcomes[1], outcomes
     assert str(model_dir / "tokenizer_config.json") in outcomes[0] and NO_CODE in outcomes[0], outcomes

@@ -113,7 +113,7 @@ def test_bad_input_is_one_line(capsys, args, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-def test_train_warns_before_loading_or_applies_the_fit():
+def test_train_warns_before_loading_or_applies_the_fit(dist_env):  # auto-fit sends rank 0's choice to all
     from qshard.planner.command import preflight
     from qshard.planner.hardware import Machine, gpu
 

@@ -33,6 +33,8 @@ Sharding = Literal["full", "grad_op", "none", "hybrid"]
 Objective = Literal["sft", "dpo", "ipo", "orpo", "simpo", "kto"]
 # Objectives that compare policy log-probs with a reference model's (the base with its adapters switched off).
 REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
+# Objectives whose every example is two rows of one forward, chosen and rejected (data/preference.py); KTO's is one.
+PAIR_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
 # The longest collective timeout accepted (a year): far beyond any wait that could end well.
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from qshard.adapters import DoRALinear, LoRALinear
-from qshard.config import DORA_TRAIN_TYPES, QUANTIZED_TRAIN_TYPES, Config, QuantConfig
+from qshard.config import DORA_TRAIN_TYPES, PAIR_OBJECTIVES, QUANTIZED_TRAIN_TYPES, Config, QuantConfig
 from qshard.errors import QShardError
 from qshard.precision import precision
 from qshard.quant import QUANT_METHODS, QuantizedExperts, QuantizedLinear, experts_methods, fused_expert_params
@@ -91,11 +91,15 @@ def dense_mask_bytes(cfg: Config) -> int:
     """Bytes of the [rows, L, L] attention mask transformers builds for each micro-batch where attention cannot
     run causally without one: packed rows (a block-diagonal mask), micro-batches of several (padded) rows, or
     eager attention. 0 for one unpacked row per micro-batch under sdpa, which gets no mask and runs SDPA's
-    causal kernel (memory linear in the sequence)."""
-    rows, length = cfg.train.micro_batch_size, cfg.data.max_length
+    causal kernel (memory linear in the sequence). A preference pair is two rows (chosen, rejected)."""
+    rows, length = _rows_per_micro_batch(cfg), cfg.data.max_length
     if cfg.model.attn_implementation == "sdpa" and not cfg.data.packing and rows == 1:
         return 0
     return rows * length * length
+
+
+def _rows_per_micro_batch(cfg: Config) -> int:
+    return cfg.train.micro_batch_size * (2 if cfg.train.objective in PAIR_OBJECTIVES else 1)
 
 
 def warn_dense_mask(cfg: Config, threshold: int = 1 << 30) -> None:
@@ -114,6 +118,8 @@ def _mask_reason(cfg: Config) -> str:
         return f"model.attn_implementation {cfg.model.attn_implementation}"
     if cfg.data.packing:
         return "data.packing"
+    if cfg.train.objective in PAIR_OBJECTIVES:
+        return f"train.objective {cfg.train.objective} (each pair is two padded rows; shorten data.max_length)"
     return f"train.micro_batch_size {cfg.train.micro_batch_size} (padded rows)"
 
 

@@ -14,6 +14,7 @@ from qshard.build import Skeleton, skeleton, training_tokenizer
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.parallel.compile import compile_choice, with_compile_decided
+from qshard.parallel.distributed import from_rank0
 from qshard.planner.estimate import Estimate, estimate
 from qshard.planner.fit import Candidate, search
 from qshard.planner.hardware import GPUS, Machine, gpu
@@ -129,40 +130,50 @@ def this_machine(device: torch.device, world_size: int) -> Machine | None:
 
 def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, vocab_size: int, auto_fit: bool,
               is_main: bool) -> None:
-    """Predict the run before it loads: warn in one line when it is predicted not to fit, or with `auto_fit`
-    apply the fastest settings predicted to fit (the same choice on every rank: the search is deterministic)."""
+    """Predict the run before it loads, on rank 0 (the others would repeat its work on the same CPUs): warn in
+    one line when it is predicted not to fit, or with `auto_fit` apply the fastest settings predicted to fit,
+    rank 0's choice on every rank (nodes that differ in host memory could otherwise choose apart)."""
     if machine is None:
         if auto_fit and is_main:
             log.warning("--auto-fit: the device's memory is unknown here (no CUDA); the settings are kept as given")
         return
-    try:
-        _predict_before_loading(cfg, machine, model_dir, vocab_size, auto_fit, is_main)
-    except QShardError:
-        raise  # the build would refuse the same input a moment later
-    except Exception as exc:  # a prediction that fails must not stop a run that may well fit
-        if is_main:
-            log.warning("qshard plan could not predict this run (%s: %s); training goes on unchecked",
-                        type(exc).__name__, exc)
-
-
-def _predict_before_loading(cfg: Config, machine: Machine, model_dir: Path | None, vocab_size: int | None,
-                            auto_fit: bool, is_main: bool) -> None:
-    model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
-    seq = cfg.data.max_length
-    planned = compile_planned(cfg)
     if auto_fit:
-        fitting, smallest = search(model, planned, machine, seq, top=1)
-        chosen = fitting[0] if fitting else smallest
-        for dotted, value in chosen.overrides:
+        overrides = from_rank0(lambda: _guarded(lambda: _auto_fit(cfg, machine, model_dir, vocab_size)), is_main)
+        for dotted, value in overrides or []:
             section, key = dotted.split(".")
             setattr(getattr(cfg, section), key, _typed(getattr(getattr(cfg, section), key), value))
-        if is_main:
-            fit = "predicted to fit" if fitting else "the smallest predicted peak, still over the GPU's memory"
-            log.info("--auto-fit: %s (%s: %.2f GiB per GPU, %.0f tok/s)", chosen.flags(), fit,
-                     chosen.estimate.peak_gpu_gib, chosen.estimate.tok_s)
-        return
-    found = estimate(model, planned, machine, seq)
-    if not found.fits and is_main:
+    elif is_main:
+        _guarded(lambda: _warn_if_not_fitting(cfg, machine, model_dir, vocab_size))
+
+
+def _guarded(predict):
+    """`predict()`, where a failure other than the input's (which the build would refuse a moment later) only
+    warns: a prediction that fails must not stop a run that may well fit."""
+    try:
+        return predict()
+    except QShardError:
+        raise
+    except Exception as exc:
+        log.warning("qshard plan could not predict this run (%s: %s); training goes on unchecked",
+                    type(exc).__name__, exc)
+        return None
+
+
+def _auto_fit(cfg: Config, machine: Machine, model_dir: Path | None, vocab_size: int | None) -> list:
+    """The fastest setting predicted to fit (or the smallest peak), as (dotted key, value) overrides; logged."""
+    model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
+    fitting, smallest = search(model, compile_planned(cfg), machine, cfg.data.max_length, top=1)
+    chosen = fitting[0] if fitting else smallest
+    fit = "predicted to fit" if fitting else "the smallest predicted peak, still over the GPU's memory"
+    log.info("--auto-fit: %s (%s: %.2f GiB per GPU, %.0f tok/s)", chosen.flags(), fit,
+             chosen.estimate.peak_gpu_gib, chosen.estimate.tok_s)
+    return chosen.overrides
+
+
+def _warn_if_not_fitting(cfg: Config, machine: Machine, model_dir: Path | None, vocab_size: int | None) -> None:
+    model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
+    found = estimate(model, compile_planned(cfg), machine, cfg.data.max_length)
+    if not found.fits:
         log.warning("predicted not to fit: %.2f GiB per GPU of %.1f, %.1f GiB host of %.1f; `qshard plan --fit` "
                     "with the same options suggests settings that fit (or pass --auto-fit)", found.peak_gpu_gib,
                     machine.gpu.memory_gib, found.peak_host_gib, machine.host_mem_gib or 0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qshard.build import Skeleton, random_init
-from qshard.config import Config, checkpoint_trace_unmet
+from qshard.config import PAIR_OBJECTIVES, Config, checkpoint_trace_unmet
 from qshard.loading.read_ahead import CUDA_STAGING_BYTES
 from qshard.parallel.checkpointing import checkpointed_blocks
 from qshard.parallel.fsdp import reshard_after_forward
@@ -125,10 +125,6 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
         step_s=step, tok_s=tokens / step, time_parts=times, machine=machine, tokens_per_step=tokens,
         notes=_notes(cfg, world),
     )
-
-
-# Objectives whose every example is two rows of one forward (data/preference.py, collate_pairs); KTO's is one.
-PAIR_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
 
 
 class Shapes:
