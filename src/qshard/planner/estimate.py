@@ -4,6 +4,7 @@ activations the skeleton saves (activations.py); the constants that are not size
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from qshard.build import Skeleton, random_init
@@ -147,7 +148,18 @@ class Shapes:
 
 
 def _block_index(model: Skeleton) -> dict[str, int]:
-    """Parameter name -> its block's index (names outside blocks are absent)."""
+    """Parameter name -> its block's index (names outside blocks are absent); walked once per model (--fit
+    estimates hundreds of settings of one model, and the walk was most of their time)."""
+    found = _BLOCK_INDEX.get(model.model)
+    if found is None:
+        found = _BLOCK_INDEX[model.model] = _walk_block_index(model)
+    return found
+
+
+_BLOCK_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _walk_block_index(model: Skeleton) -> dict[str, int]:
     ids = {id(b): i for i, b in enumerate(model.blocks)}
     found = {}
     for name, module in model.model.named_modules():
