@@ -192,3 +192,11 @@ def test_fit_offers_tiled_mlps_only_to_blocks_that_take_them(tiny_models):
         return {s["parallel.mlp_tile_tokens"] for s in fit._settings(cfg, 1, 32768, tileable(blocks))}
     assert tiles("llama") == {0, fit.MLP_TILE}
     assert tiles("qwen2_moe") == {0}  # a mixture-of-experts MLP is not tiled (the build refuses it)
+
+
+def test_tiles_shrink_what_unchecked_blocks_keep_too(capsys):
+    """Without checkpointing every block keeps all it saves; a tiled MLP keeps only its input and one tile."""
+    base = [*H200_8B, "--seq", "65536", "--parallel.activation_checkpointing", "false"]
+    plain = _plan(capsys, *base, "--parallel.compile", "false")
+    tiled = _plan(capsys, *base, "--parallel.mlp_tile_tokens", "8192")
+    assert tiled["parts"]["checkpointed activations"] < 0.5 * plain["parts"]["checkpointed activations"]

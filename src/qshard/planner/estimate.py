@@ -272,9 +272,10 @@ def _block_working_set(cfg: Config, acts: BlockActivations, shapes: Shapes, i: i
 
 def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> list[float]:
     """What each block keeps from forward to backward that activation offload moves (bytes): a checkpointed
-    block its input, any other block all it saves."""
+    block its input, any other block all it saves (of a tiled MLP, its input and one tile's)."""
     ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
-    return [shapes.tokens * (acts.block_input if id(b) in ckpt else acts.saved[i]) for i, b in enumerate(model.blocks)]
+    return [shapes.tokens * acts.block_input if id(b) in ckpt else _block_working_set(cfg, acts, shapes, i)
+            for i, b in enumerate(model.blocks)]
 
 
 def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
