@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from qshard.adapters import LoRALinear
 from qshard.build import Skeleton
-from qshard.config import Config
+from qshard.config import REFERENCE_OBJECTIVES, Config
 from qshard.parallel.checkpointing import checkpointed_blocks
 from qshard.parallel.fsdp import reshard_after_forward
 from qshard.planner import hardware
@@ -50,9 +50,14 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
         matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
         recomputed_attention = 0.0
     attention = 2 * t * shapes.seq * shapes.attn_dim * shapes.blocks * (1 + 2.5 + recomputed_attention)
+    # Gradient-free forwards beside the step's own: a preference reference, KTO's mismatched pairs.
+    extra = extra_forwards(cfg)
+    matmul += extra * t * 2 * (frozen + trained)
+    head += extra * t * shapes.vocab * shapes.hidden * 2
+    attention += extra * 2 * t * shapes.seq * shapes.attn_dim * shapes.blocks
     compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
         attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
-    dequant = quantized * (2 + ckpt) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
+    dequant = quantized * (2 + ckpt + extra) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
     gpu = compute + dequant
     host = shapes.blocks * hardware.HOST_PER_BLOCK_S[p.compile]
     link = _link_seconds(cfg, plans, machine)
@@ -91,6 +96,14 @@ def _linear_params(model: Skeleton) -> tuple[int, int, int]:
             elif isinstance(module, LoRALinear):
                 trained += module.rank * (module.in_features + module.out_features)
     return frozen, trained, quantized
+
+
+def extra_forwards(cfg: Config) -> int:
+    """Gradient-free forwards of a micro-batch's tokens besides training's (train/preference.py): the reference's
+    (the base with the adapters off) unless precomputed, and KTO's mismatched pairs through policy and reference."""
+    objective = cfg.train.objective
+    reference = objective in REFERENCE_OBJECTIVES and not cfg.pref.precompute_reference
+    return int(reference) + (2 if objective == "kto" else 0)
 
 
 def _mlp_params(model: Skeleton) -> int:
