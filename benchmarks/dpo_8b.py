@@ -22,18 +22,12 @@ import json
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def run(cmd: list[str], log: Path) -> None:
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode:
-        tail = log.read_text().splitlines()[-30:]
-        raise SystemExit(f"failed ({proc.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speed import run  # noqa: E402
 
 
 def write_pairs(path: Path, n: int, prompt: int, completion: int, seed: int = 0) -> None:
