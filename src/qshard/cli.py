@@ -241,18 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             print(version_line())
             return 0
         args, extra = parse_args(argv)
-        if args.command == "make-checkpoint":
-            return _make_checkpoint(args, extra)
-        if args.command == "export":
-            return _export(args, extra)
-        if args.command == "expand":
-            return _expand(args, extra)
-        if args.command == "plot":
-            return _plot(args, extra)
-        if args.command == "generate":
-            return _generate(args, extra)
-        if args.command == "plan":
-            return _plan(args, extra)
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args, extra)
         cfg = parse_train_config(args, extra)
         check_installed(cfg.output.trackers)
         if cfg.parallel.nproc > 1 and not launcher.launched() and not args.dry_run:  # a dry run plans the ranks
@@ -376,3 +366,8 @@ def _nodes_and_gpus(gpus: str | None, nodes: int) -> tuple[int, int | None]:
     if len(parts) == 2:
         return int(parts[0]), int(parts[1])
     return nodes, int(parts[0])
+
+
+# The commands other than train, each (args, extra) -> exit code.
+COMMANDS = {"make-checkpoint": _make_checkpoint, "export": _export, "expand": _expand, "plot": _plot,
+            "generate": _generate, "plan": _plan}
