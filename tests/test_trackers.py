@@ -231,3 +231,20 @@ def test_an_unknown_tracker_is_a_config_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "output.trackers must be one of tensorboard, wandb, mlflow" in err[0]
     assert "'comet'" in err[0] and not (tmp_path / "run").exists()
+
+
+def test_two_ranks_write_one_tensorboard_run(tiny_models, data, tmp_path):
+    """Under two processes only rank 0 writes the tracker, with every step's loss as metrics.jsonl has it."""
+    from conftest import run_on_ranks
+
+    out = tmp_path / "two"
+    argv = ["train", "--model", str(tiny_models("llama", num_hidden_layers=1)), "--data", str(data / "train.jsonl"),
+            "--output-dir", str(out), "--max-steps", str(STEPS), "--batch-size", "2", "--data.eval_fraction", "0",
+            "--report-to", "tensorboard"]
+    ranks = run_on_ranks({"two": argv})["two"]
+    assert [r.code for r in ranks] == [0, 0], (ranks[0].stderr[-2000:], ranks[1].stderr[-2000:])
+    events = list((out / "trackers" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1, events  # one writer: rank 0
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [value for _, value in sorted(tensorboard_scalars(out)["loss"])]
+    assert logged == pytest.approx(losses, rel=1e-6) and len(logged) == STEPS
