@@ -107,3 +107,14 @@ def test_qshard_train_chooses_the_cache_before_anything_fixes_it(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     chosen = str(tmp_path / "xdg" / "qshard" / "inductor")
     assert out.stdout.splitlines()[-1].split() == ["0", chosen], out.stderr[-2000:]
+
+
+def test_auto_read_from_yaml_is_decided_like_the_default(tmp_path, triton):
+    """A config.yaml saying `compile: auto` (every resumed run's) holds a str that is not the literal's object."""
+    from qshard.config import resolve
+
+    triton(True)
+    (tmp_path / "run.yaml").write_text("parallel:\n  compile: auto\n")
+    parallel = resolve(str(tmp_path / "run.yaml"), []).parallel
+    assert compile_choice(parallel, CPU) == (False, "parallel.compile auto: off on cpu")
+    assert compile_choice(parallel, CUDA) == (True, "parallel.compile auto: on (CUDA, Triton)")

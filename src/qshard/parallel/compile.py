@@ -84,7 +84,7 @@ def compile_choice(parallel: ParallelConfig, device: torch.device, triton: bool 
     kernels compile for minutes to beat eager by little, and reentrant checkpointing would be traced into the
     graph, which then keeps every activation, and tiled MLPs run autograd inside their backward, which a graph
     cannot trace (the config refuses `compile: true` with either)."""
-    if parallel.compile is not AUTO:
+    if parallel.compile != AUTO:  # == not is: a value read from YAML is another str object
         return parallel.compile, f"parallel.compile {str(parallel.compile).lower()}"
     if device.type != "cuda":
         return False, f"parallel.compile auto: off on {device.type}"
@@ -111,6 +111,6 @@ def decide_compile(cfg: Config, device: torch.device, log_it: bool) -> Config:
     compiled, why = compile_choice(cfg.parallel, device)
     if compiled and cfg.parallel.compile_backend == "inductor":
         why += f"; compiled code cached in {use_persistent_caches()}"
-    if log_it and cfg.parallel.compile is AUTO:
+    if log_it and cfg.parallel.compile == AUTO:
         log.info(why)
     return with_compile_decided(cfg, compiled)
