@@ -4,20 +4,22 @@ log's peak_mem_gib, torch's max_memory_allocated) and steady tok/s (the median o
 are recorded beside the prediction in one JSON file, and drawn as two predicted-vs-measured scatter plots.
 
   python3 benchmarks/plan_vs_measured.py --out DIR [--gpu-kind h200] [--steps 8] [--warmup 3] [--only NAME ...]
-      [--gpu-mem GIB] [--fit-checks] [--list]
+      [--gpu-mem GIB] [--fit-checks] [--list] [--skip-predict]
+  python3 benchmarks/plan_vs_measured.py --out DIR2 --predict-from DIR/plan_vs_measured.json [--gpu-kind h200]
 
 Models are named shapes with random weights (model.shape: no checkpoint is needed) trained on letters data of the
 run's length (make_data.py). A run that fails (an OOM included) is recorded with its last error line: a
 prediction of "does not fit" that then runs out of memory is a correct prediction. --fit-checks adds the issue's
 two: `--fit` for the 70B shape and for the 8B shape at 32k under a 24 GiB cap, and a run of each chosen setting
 under that cap (torch.cuda.set_per_process_memory_fraction). Results: DIR/plan_vs_measured.json
-and DIR/plan_vs_measured.png; each run's log and output directory in DIR/runs/NAME.
+and DIR/plan_vs_measured.png; each run's log and output directory in DIR/runs/NAME. Predictions need no GPU:
+--skip-predict measures only, and --predict-from predicts the measured runs of an earlier result again (on any
+machine) and writes the comparison and the plot.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -29,32 +31,34 @@ HERE = Path(__file__).resolve().parent
 
 
 def grid() -> dict[str, list[str]]:
-    """name -> qshard options: 8B and 70B shapes; seq 2k, 8k, 32k; qlora and lora; offload, compile, batch sizes."""
-    runs: dict[str, list[str]] = {}
-    for seq, train_type, compiled, batch in itertools.product((2048, 8192, 32768), ("qlora", "lora"), (True, False),
-                                                              (1, 2)):
-        if seq == 32768 and batch > 1:
-            continue
-        name = f"8b-{train_type}-{seq // 1024}k-b{batch}{'-compile' if compiled else ''}"
-        runs[name] = ["--model.shape", "llama3-8b", "--train-type", train_type, "--max-length", str(seq),
-                      "--batch-size", str(batch), "--parallel.compile", str(compiled).lower()]
-    runs["8b-qlora-32k-actoffload"] = ["--model.shape", "llama3-8b", "--max-length", "32768",
-                                       "--parallel.activation_offload", "true"]
-    runs["8b-qlora-8k-ac2"] = ["--model.shape", "llama3-8b", "--max-length", "8192", "--parallel.ac_every", "2"]
-    runs["8b-qlora-2k-saveproj"] = ["--model.shape", "llama3-8b", "--max-length", "2048", "--parallel.compile", "true",
-                                    "--parallel.ac_save_projections", "true"]
-    runs["8b-full-2k"] = ["--model.shape", "llama3-8b", "--train-type", "full", "--max-length", "2048"]
-    for offload in (False, True):
-        runs[f"70b-qlora-2k{'-cpuoffload' if offload else ''}"] = [
-            "--model.shape", "llama3-70b", "--max-length", "2048", "--parallel.cpu_offload", str(offload).lower()]
-    runs["70b-qlora-8k-cpuoffload-actoffload"] = ["--model.shape", "llama3-70b", "--max-length", "8192",
-                                                  "--parallel.cpu_offload", "true",
-                                                  "--parallel.activation_offload", "true"]
-    return runs
+    """name -> qshard options: 13 runs over the 8B and 70B shapes; seq 2k, 8k, 32k; qlora, lora and full; compile
+    on and off; micro-batch 1 and 2; activation offload, CPU offload, checkpointing every other block."""
+
+    def row(shape: str, seq: int, train_type: str = "qlora", batch: int = 1, compiled: bool = True,
+            *extra: str) -> list[str]:
+        return ["--model.shape", f"llama3-{shape}", "--train-type", train_type, "--max-length", str(seq),
+                "--batch-size", str(batch), "--parallel.compile", str(compiled).lower(), *extra]
+
+    return {
+        "8b-qlora-2k-b1-compile": row("8b", 2048),
+        "8b-qlora-2k-b2": row("8b", 2048, "qlora", 2, False),
+        "8b-qlora-8k-b1-compile": row("8b", 8192),
+        "8b-qlora-8k-b2": row("8b", 8192, "qlora", 2, False),
+        "8b-qlora-32k-b1-compile": row("8b", 32768),
+        "8b-qlora-32k-actoffload-compile": row("8b", 32768, "qlora", 1, True, "--parallel.activation_offload", "true"),
+        "8b-qlora-8k-ac2-compile": row("8b", 8192, "qlora", 1, True, "--parallel.ac_every", "2"),
+        "8b-lora-2k-b1-compile": row("8b", 2048, "lora"),
+        "8b-lora-8k-b2-compile": row("8b", 8192, "lora", 2),
+        "8b-full-bf16-2k-compile": row("8b", 2048, "full", 1, True, "--train.precision", "bf16"),
+        "70b-qlora-2k-compile": row("70b", 2048),
+        "70b-qlora-2k-cpuoffload": row("70b", 2048, "qlora", 1, False, "--parallel.cpu_offload", "true"),
+        "70b-qlora-8k-cpuoffload-actoffload": row("70b", 8192, "qlora", 1, False, "--parallel.cpu_offload", "true",
+                                                  "--parallel.activation_offload", "true"),
+    }
 
 
 COMMON = ["--lora-rank", "64", "--lora.alpha", "16", "--data.eval_fraction", "0", "--optim.schedule", "constant",
-          "--lr", "1e-4", "--train.log_every", "1"]
+          "--lr", "1e-4", "--train.log_every", "1", "--checkpoint.at_end", "false"]
 
 
 def predict(options: list[str], args) -> dict:
@@ -74,7 +78,7 @@ def measure(name: str, options: list[str], seq: int, args) -> dict:
     data = args.out / f"data-{seq}.jsonl"
     if not data.exists():
         subprocess.run([sys.executable, str(HERE / "make_data.py"), "--out", str(data), "--examples",
-                        str(16 * (args.steps + 2)), "--tokens", str(seq)], check=True)
+                        str(2 * args.steps + 16), "--tokens", str(seq)], check=True)
     env = {**os.environ}
     if args.gpu_mem:  # a cap below the device's memory: what the prediction is told
         env["QSHARD_BENCH_GPU_MEM_GIB"] = str(args.gpu_mem)
@@ -155,6 +159,14 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=130)
 
 
+def compare(name: str, options: list[str], predicted: dict, measured: dict) -> dict:
+    row = {"name": name, "options": options, "predicted": predicted, "measured": measured}
+    for key in ("peak_gpu_gib", "tok_s"):
+        if key in predicted and key in measured:
+            row[f"{key}_error"] = round(predicted[key] / measured[key] - 1, 4)
+    return row
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--_capped-train"]:
         sys.exit(capped_train(sys.argv[2:]))
@@ -167,6 +179,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only these names (see --list)")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--fit-checks", action="store_true", help="also run the two --fit checks (24 GiB cap)")
+    parser.add_argument("--skip-predict", action="store_true",
+                        help="measure only (predictions need no GPU: add them later with --predict-from)")
+    parser.add_argument("--predict-from", type=Path,
+                        help="a plan_vs_measured.json of measured runs: predict each again, write the comparison and "
+                             "the plot to --out (no training)")
     args = parser.parse_args()
     runs = grid()
     if args.list:
@@ -176,23 +193,27 @@ def main() -> None:
         parser.error("--out is required")
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for name, options in runs.items():
-        if args.only and name not in args.only:
-            continue
-        predicted = predict([*options, *COMMON], args)
-        measured = measure(name, options, _seq(options), args)
-        row = {"name": name, "options": options, "predicted": predicted, "measured": measured}
-        for key in ("peak_gpu_gib", "tok_s"):
-            if key in predicted and key in measured:
-                row[f"{key}_error"] = round(predicted[key] / measured[key] - 1, 4)
+
+    def record(row: dict) -> None:
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "predicted"}), flush=True)
         (args.out / "plan_vs_measured.json").write_text(json.dumps(results, indent=1))
+
+    if args.predict_from:
+        for old in json.loads(args.predict_from.read_text()):
+            if "overrides" in old.get("predicted", {}):  # a --fit check: its choice is kept as it was made
+                record(old)
+                continue
+            record(compare(old["name"], old["options"], predict([*old["options"], *COMMON], args), old["measured"]))
+        plot(results, args.out / "plan_vs_measured.png")
+        return
+    for name, options in runs.items():
+        if args.only and name not in args.only:
+            continue
+        predicted = {} if args.skip_predict else predict([*options, *COMMON], args)
+        record(compare(name, options, predicted, measure(name, options, _seq(options), args)))
     for name, options in FIT_CHECKS.items() if args.fit_checks else ():
-        row = fit_check(name, options, args)
-        results.append(row)
-        print(json.dumps(row), flush=True)
-        (args.out / "plan_vs_measured.json").write_text(json.dumps(results, indent=1))
+        record(fit_check(name, options, args))
     plot(results, args.out / "plan_vs_measured.png")
 
 

@@ -332,3 +332,13 @@ def test_sigusr1_saves_and_exits_and_partial_checkpoints_are_refused(tiny_models
     fresh = _run_here(args + ["--resume", "auto", "--max-steps", "2"], capsys)
     assert fresh.returncode == 0, fresh.stderr
     assert "resumed from" not in fresh.stderr
+
+
+def test_no_checkpoint_at_end_when_asked(tiny_models, tmp_path, capsys):
+    """checkpoint.at_end false: the periodic save stays, the end's save is skipped, the adapter is still exported."""
+    out = tmp_path / "run"
+    args = _args(tiny_models("llama"), out, "--max-steps", "3", "--save-every", "2", "--checkpoint.at_end", "false")
+    proc = _run_here(args, capsys)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-00000002"]
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -290,6 +290,9 @@ class CheckpointConfig:
     # Also keep the checkpoint of the best held-out loss, beside the newest keep_last (saved at each
     # evaluation that improves it; never pruned). Needs a held-out set and train.eval_every.
     keep_best: bool = False
+    # Save a checkpoint when the last step is done. false: only every_steps, keep_best and preemption save
+    # (throwaway runs and benchmarks, where a full model's optimizer state would be a large write for nothing).
+    at_end: bool = True
 
 
 @dataclass

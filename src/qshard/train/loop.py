@@ -294,7 +294,7 @@ class Trainer:
     def _maybe_save(self, checkpoints: CheckpointManager, done: int, result: FitResult) -> None:
         checkpoints.poll()
         every = self.cfg.checkpoint.every_steps
-        final = done == self.total_steps or result.preempted or result.stopped_early
+        final = (done == self.total_steps and self.cfg.checkpoint.at_end) or result.preempted or result.stopped_early
         # checkpoint.keep_best: a new best is saved now, and no pruning removes it while it is the best.
         new_best = self.cfg.checkpoint.keep_best and self.best.step == done
         checkpoints.keep_step = self.best.step if self.cfg.checkpoint.keep_best else None
