@@ -214,7 +214,8 @@ def main() -> None:
         record(compare(name, options, predicted, measure(name, options, _seq(options), args)))
     for name, options in FIT_CHECKS.items() if args.fit_checks else ():
         record(fit_check(name, options, args))
-    plot(results, args.out / "plan_vs_measured.png")
+    if not args.skip_predict:
+        plot(results, args.out / "plan_vs_measured.png")
 
 
 if __name__ == "__main__":
