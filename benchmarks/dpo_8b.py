@@ -11,13 +11,12 @@ activation checkpointing, AdamW, constant lr, beta 0.1; the reference is the bas
 (qshard: a second, gradient-free forward; TRL with a peft model and no ref_model: the same).
 qshard runs `model.init: random` over the shape of the random-weight checkpoint `--ckpt` (written once, as
 benchmarks/speed.py writes it), which TRL loads. Prints one table (median step time after warm-up, pairs/s, peak
-GPU memory) and writes DIR/results.json. --trl needs trl, peft and bitsandbytes with CUDA installed.
+GPU memory) and writes DIR/results.json. --trl needs trl (1.16), peft and bitsandbytes with CUDA installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import shlex
@@ -66,46 +65,63 @@ def trl_run(args, data: Path) -> dict:
 
 def trl_child(args) -> None:
     """TRL's DPOTrainer on the same pairs: NF4 base (bf16 compute) with peft LoRA on every linear of the blocks,
-    non-reentrant gradient checkpointing, the reference by disabling the adapter (no ref_model)."""
+    non-reentrant gradient checkpointing, the reference by disabling the adapter (a peft model, no ref_model).
+    --trl-cpu (hidden) runs it without quantization on the CPU, only to check that this code runs."""
     import torch
-    from datasets import load_dataset
+    from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(args.ckpt, quantization_config=quant, dtype=torch.bfloat16,
-                                                 device_map={"": 0})
+    cuda = not args.trl_cpu
+    if cuda:
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(args.ckpt, quantization_config=quant, dtype=torch.bfloat16,
+                                                     device_map={"": 0})
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(args.ckpt)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    wanted = dict(output_dir=str(args.out / "trl"), per_device_train_batch_size=1, gradient_accumulation_steps=1,
-                  max_steps=args.steps, learning_rate=5e-6, lr_scheduler_type="constant", beta=0.1, bf16=True,
-                  gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-                  max_length=args.prompt + args.completion, max_prompt_length=args.prompt,
-                  max_completion_length=args.completion, logging_steps=1, save_strategy="no", report_to="none")
-    # Only the options this TRL version has (max_prompt_length went away in later versions; truncation then
-    # keeps max_length, which the data's lengths already meet).
-    names = {f.name for f in dataclasses.fields(DPOConfig)}
-    config = DPOConfig(**{k: v for k, v in wanted.items() if k in names})
+    # TRL truncates prompt + completion to max_length, keeping the start; it has no prompt limit of its own, so the
+    # prompts are cut here to `--prompt` tokens (the demo tokenizer: a token per letter) as qshard's
+    # pref.max_prompt_length cuts them, and the completions (TRL appends EOS) then fill max_length.
+    cut = lambda text, n: " ".join(text.split()[:n])  # noqa: E731
+    rows = [json.loads(line) for line in args.data.read_text().splitlines()]
+    dataset = Dataset.from_list([{"prompt": cut(r["prompt"], args.prompt), "chosen": r["chosen"],
+                                  "rejected": r["rejected"]} for r in rows])
+    config = DPOConfig(output_dir=str(args.out / "trl"), per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                       max_steps=args.steps, learning_rate=5e-6, lr_scheduler_type="constant", warmup_steps=0,
+                       beta=0.1, loss_type=["sigmoid"], bf16=cuda, use_cpu=not cuda,
+                       gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+                       max_length=args.prompt + args.completion, truncation_mode="keep_start",
+                       precompute_ref_log_probs=False, eval_strategy="no", save_strategy="no", logging_steps=1,
+                       report_to="none", dataloader_num_workers=0, seed=0)
     lora = LoraConfig(r=64, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    dataset = load_dataset("json", data_files=str(args.data), split="train")
 
     times: list[float] = []
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, *_, **__):
-            torch.cuda.synchronize()
+            sync()
             self.start = time.perf_counter()
 
         def on_step_end(self, *_, **__):
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - self.start)
 
     trainer = DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=lora, callbacks=[StepTimes()])
+    assert trainer.ref_model is None, "the reference must be the policy with its adapters disabled"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    result = {"system": "trl", "step_s": statistics.median(times[args.warmup:]),
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    first = trainer.train_dataset[0]
+    chosen = min(len(first["prompt_ids"]) + len(first["chosen_ids"]), args.prompt + args.completion)
+    result = {"system": "trl", "step_s": statistics.median(times[args.warmup:]), "steps": len(times),
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+              "prompt_tokens": len(first["prompt_ids"]), "chosen_tokens": chosen - len(first["prompt_ids"]),
+              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
     (args.out / "trl.json").write_text(json.dumps(result))
 
 
@@ -121,6 +137,7 @@ def main() -> None:
     p.add_argument("--trl", action="store_true", help="also run TRL's DPOTrainer + peft + bitsandbytes")
     p.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--trl-cpu", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.trl_child:
