@@ -176,7 +176,8 @@ def main() -> None:
     parser.add_argument("--gpu-mem", type=float, help="cap each run's GPU memory (and tell the prediction)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", nargs="*", help="run only these names (see --list)")
+    parser.add_argument("--only", nargs="*", help="run only these names (see --list; with --fit-checks, naming "
+                                                      "fit-70b-2k-24gib or fit-8b-32k-24gib runs only that one)")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--fit-checks", action="store_true", help="also run the two --fit checks (24 GiB cap)")
     parser.add_argument("--skip-predict", action="store_true",
@@ -212,7 +213,10 @@ def main() -> None:
             continue
         predicted = {} if args.skip_predict else predict([*options, *COMMON], args)
         record(compare(name, options, predicted, measure(name, options, _seq(options), args)))
+    named_fits = [n for n in args.only or () if n in FIT_CHECKS]
     for name, options in FIT_CHECKS.items() if args.fit_checks else ():
+        if named_fits and name not in named_fits:
+            continue
         record(fit_check(name, options, args))
     if not args.skip_predict:
         plot(results, args.out / "plan_vs_measured.png")
