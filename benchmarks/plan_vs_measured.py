@@ -109,8 +109,9 @@ def fit_check(name: str, options: list[str], args) -> dict:
     capped = argparse.Namespace(**{**vars(args), "gpu_mem": 24.0})
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     planned = predict([*options, *COMMON, "--fit", "--top", "1", "--host-mem", f"{host:.0f}"], capped)
-    if not planned.get("fit"):
-        return {"name": name, "predicted": planned, "measured": {"error": "--fit found no setting"}}
+    if not planned.get("fit"):  # the plan's own error where it failed: no GPU run for it
+        return {"name": name, "predicted": planned,
+                "measured": {"error": planned.get("error", "--fit found no setting")}}
     chosen = [arg for flag in planned["fit"][0]["overrides"] for arg in flag.split(" ")]
     measured = measure(name, [*options, *chosen], _seq(options), capped)
     return {"name": name, "options": [*options, *chosen], "predicted": planned["fit"][0], "measured": measured}

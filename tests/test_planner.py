@@ -139,6 +139,60 @@ def test_train_warns_before_loading_or_applies_the_fit(dist_env):  # auto-fit se
         logging.getLogger("qshard").removeHandler(lines)
 
 
+def _auto_fit_rank(rank: int, ports: tuple[int, int], out: str) -> None:
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from qshard.parallel.distributed import add_cpu_collectives
+    from qshard.planner.command import preflight
+    from qshard.planner.hardware import Machine, gpu
+
+    results = {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
+    groups = len(c10d._world.pg_map)
+    for name, shape in (("8b", "llama3-8b"), ("70b", "llama3-70b")):
+        cfg = resolve(None, [("model.shape", shape), ("data.max_length", "2048")])
+        preflight(cfg, Machine(gpu("4090")), None, None, auto_fit=True, is_main=rank == 0)
+        results[name] = dataclasses.asdict(cfg)
+    results["groups"] = len(c10d._world.pg_map) - groups
+    dist.destroy_process_group()
+
+    # A group like a GPU run's NCCL alone: no backend for host tensors until cpu_offload asks for one.
+    dist.init_process_group("cuda:gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=2)
+    group, groups = c10d._get_default_group(), len(c10d._world.pg_map)
+    results["host before"] = torch.device("cpu") in group._device_types
+    add_cpu_collectives()
+    add_cpu_collectives()  # a second call (cpu_offload asked for from the start) adds nothing
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)  # the gradient norm's reduction under cpu_offload: a host tensor
+    results["added groups"] = len(c10d._world.pg_map) - groups
+    later = torch.ones(1)
+    dist.all_reduce(later, group=dist.new_group([0, 1]))  # a group made afterwards (a hybrid mesh's) has gloo too
+    results["sums"] = (total.item(), later.item())
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_auto_fit_chooses_once_for_every_rank_and_gloo_joins_the_runs_group_only_for_cpu_offload(tmp_path):
+    """Two gloo ranks: rank 0's choice is every rank's, without a process group more. A run's group that started
+    without CPU collectives (NCCL alone) gets gloo in that same group when --auto-fit chooses cpu_offload."""
+    import torch
+    from conftest import _free_ports, spawn
+
+    spawn(_auto_fit_rank, (tuple(_free_ports(2)), str(tmp_path)))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name in ("8b", "70b"):
+        assert ranks[0][name] == ranks[1][name]
+    for got in ranks:
+        assert not got["8b"]["parallel"]["cpu_offload"]  # fits on 24 GiB as given
+        assert got["70b"]["parallel"]["cpu_offload"]  # only with the 4-bit blocks in host memory
+        assert got["groups"] == got["added groups"] == 0
+        assert not got["host before"] and got["sums"] == (3.0, 2.0)
+
+
 def test_a_pair_objective_plans_two_rows_per_example(capsys):
     """DPO's micro-batch of one pair runs its chosen and rejected rows in one forward: the activations of two."""
     sft = _plan(capsys, *H200_8B, "--seq", "2048", "--parallel.compile", "true")

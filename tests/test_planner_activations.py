@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from qshard.config import resolve
 
@@ -71,3 +74,65 @@ def test_probe_predicts_what_each_block_saves(tiny_models, dist_env, overrides):
             assert slope == [0.0] * len(blocks), slope
             assert inputs == [acts.block_input * LENGTHS[1]] * len(blocks), (inputs, acts.block_input)
         assert min(acts.saved) > 4 * acts.block_input  # what checkpointing saves is most of it
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once among those made under it (each op's outputs while its
+    inputs live), a storage counted once however many views share it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[StorageWeakRef, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.live.setdefault(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        self.live = {ref: n for ref, n in self.live.items() if not ref.expired()}
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def _no_grad_peak(model, head, length: int) -> int:
+    """The peak of a real gradient-free forward of `length` tokens per row through the head's per-token log-probs
+    (KTO's mismatched rows, a reference): the tensors it makes, weights apart (those it casts do not grow with
+    the tokens)."""
+    from qshard.train.loss import loss_positions
+
+    ids = torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(0))  # KTO's micro-batch of 2
+    batch = {"input_ids": ids, "labels": ids, "loss_positions": loss_positions(ids)}
+    with torch.no_grad(), _LiveBytes() as live:
+        head.token_logps(model, batch)
+    return live.peak
+
+
+@pytest.mark.parametrize("chunk", ["4096", "8"])
+def test_a_gradient_free_forward_is_planned_as_measured(tiny_models, dist_env, chunk):
+    """What KTO's mismatched rows and a reference hold at the peak of their gradient-free forwards, per token: the
+    plan's part against a real CPU forward's measured peak, where the head's logits of every token set it, and
+    where (in chunks of 8 tokens) a block's tensors do."""
+    from qshard.build import build_model, skeleton
+    from qshard.planner.activations import probe_activations
+    from qshard.planner.estimate import Shapes, _no_grad_forward
+    from qshard.train.loss import build_loss
+
+    model_dir = tiny_models("llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                            num_key_value_heads=2)
+    cfg = resolve(None, [("model.path", str(model_dir)), ("lora.rank", "4"), ("train.objective", "kto"),
+                         ("train.micro_batch_size", "2"), ("train.precision", "bf16"),
+                         ("train.loss_chunk_tokens", chunk)])
+    plan_model = skeleton(cfg, model_dir, 1, dist_env.device)
+    acts = probe_activations(plan_model, cfg)
+    # long enough that what grows with the tokens outweighs the weights' casts, which the plan counts apart
+    lengths = (256, 512)
+    predicted = [_no_grad_forward(cfg, acts, Shapes(plan_model, cfg, n, 1)) for n in lengths]
+    model, _ = build_model(cfg, dist_env, model_dir)
+    measured = [_no_grad_peak(model, build_loss(model, cfg.train.loss_chunk_tokens), n) for n in lengths]
+    span = lengths[1] - lengths[0]
+    slope, planned = (measured[1] - measured[0]) / span, (predicted[1] - predicted[0]) / span
+    if chunk == "4096":  # the head's logits of all the tokens at once: the peak, counted exactly
+        assert planned == pytest.approx(slope, rel=0.01), (measured, predicted)
+    else:  # the blocks': what they would save for backward bounds what they hold at once without gradient
+        assert slope <= planned <= 2 * slope, (measured, predicted)

@@ -96,6 +96,26 @@ def init_distributed(cpu_collectives: bool = False, timeout: tuple[str, float] |
     return env
 
 
+def add_cpu_collectives() -> None:
+    """Give the run's process group gloo for tensors in host memory where it began without (a setting chosen
+    after the group started: --auto-fit's parallel.cpu_offload); nothing where it has them. Every rank calls it.
+    The backend joins the group itself rather than a new group: the mesh, FSDP2 and the gradient norm's
+    reduction (train/optim.py) use the group they were given, and set_timeout reaches it there."""
+    group = c10d._get_default_group()
+    if torch.device("cpu") in group._device_types:
+        return
+    present = group._get_backend(group._device_types[0])
+    timeout = getattr(getattr(present, "options", None), "_timeout", c10d.default_pg_timeout)
+    # The ranks meet in the group's own store, under keys of their own.
+    store = dist.PrefixStore("qshard-cpu-collectives", c10d._get_default_store())
+    gloo = dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    # Groups made from now on (a hybrid mesh's) take the default group's backends: gloo for the host too.
+    both = f"cpu:gloo,{c10d._world.pg_backend_config[group]}"
+    c10d._world.pg_map[group] = (both, c10d._world.pg_map[group][1])
+    c10d._world.pg_backend_config[group] = both
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -14,7 +14,7 @@ from qshard.build import Skeleton, skeleton, training_tokenizer
 from qshard.config import Config
 from qshard.errors import QShardError
 from qshard.parallel.compile import compile_choice, with_compile_decided
-from qshard.parallel.distributed import from_rank0
+from qshard.parallel.distributed import add_cpu_collectives, from_rank0
 from qshard.planner.estimate import Estimate, estimate
 from qshard.planner.fit import Candidate, search
 from qshard.planner.hardware import GPUS, Machine, gpu
@@ -132,7 +132,8 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
               is_main: bool) -> None:
     """Predict the run before it loads, on rank 0 (the others would repeat its work on the same CPUs): warn in
     one line when it is predicted not to fit, or with `auto_fit` apply the fastest settings predicted to fit,
-    rank 0's choice on every rank (nodes that differ in host memory could otherwise choose apart)."""
+    rank 0's choice on every rank (nodes that differ in host memory could otherwise choose apart), with the CPU
+    collectives it needs added to the run's process group."""
     if machine is None:
         if auto_fit and is_main:
             log.warning("--auto-fit: the device's memory is unknown here (no CUDA); the settings are kept as given")
@@ -142,6 +143,8 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
         for dotted, value in overrides or []:
             section, key = dotted.split(".")
             setattr(getattr(cfg, section), key, _typed(getattr(getattr(cfg, section), key), value))
+        if cfg.parallel.cpu_offload:  # the gradient norm is reduced on the host
+            add_cpu_collectives()
     elif is_main:
         _guarded(lambda: _warn_if_not_fitting(cfg, machine, model_dir, vocab_size))
 

@@ -8,14 +8,14 @@ import weakref
 from dataclasses import dataclass, field
 
 from qshard.build import Skeleton, random_init
-from qshard.config import PAIR_OBJECTIVES, Config, checkpoint_trace_unmet
+from qshard.config import PAIR_OBJECTIVES, REFERENCE_OBJECTIVES, Config, checkpoint_trace_unmet
 from qshard.loading.read_ahead import CUDA_STAGING_BYTES
 from qshard.parallel.checkpointing import checkpointed_blocks
 from qshard.parallel.fsdp import reshard_after_forward
 from qshard.planner.activations import BlockActivations, probe_activations
 from qshard.planner.hardware import Machine
 from qshard.planner.layout import TensorPlan, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
-from qshard.planner.speed import head_trains, step_times
+from qshard.planner.speed import extra_forwards, head_trains, step_times
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
 
@@ -240,7 +240,7 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     """The activations, loss chunk and gradients at the step's peak phase: the loss (what every block keeps for
     backward), or backward through block i (what the blocks before it keep, block i's working set: its saved
     tensors, recomputed or kept, with the gradients of its intermediates; the gradients of the blocks after it),
-    or the optimizer step (every gradient)."""
+    or the optimizer step (every gradient), or a gradient-free forward (a reference, KTO's mismatched rows)."""
     p, t = cfg.parallel, shapes.tokens
     kept = _kept_per_block(model, cfg, acts, shapes)
     if p.activation_offload:  # every block's saved tensors go to the host, but those in use and in flight
@@ -256,9 +256,38 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
         working = _block_working_set(cfg, acts, shapes, i) * WORKING_SET_FACTOR + outside
         phases.append((sum(kept[:i]) + projections * i, working, 0.0, sum(grads[i:])))
     phases.append((0.0, 0.0, 0.0, sum(grads)))
-    kept_at, working_at, loss_at, grads_at = max(phases, key=sum)
+    phases = [(*phase, 0.0) for phase in phases]
+    if extra_forwards(cfg):
+        phases.append((0.0, 0.0, 0.0, _grads_beside_no_grad_forward(cfg, grads), _no_grad_forward(cfg, acts, shapes)))
+    kept_at, working_at, loss_at, grads_at, no_grad_at = max(phases, key=sum)
     return {"checkpointed activations": kept_at, "recompute working set": working_at, "loss chunk": loss_at,
-            "gradients": grads_at}
+            "gradients": grads_at, "gradient-free forward": no_grad_at}
+
+
+def _no_grad_forward(cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
+    """What a gradient-free forward of a micro-batch (the reference's, KTO's mismatched rows) holds at its peak
+    beside the weights (bytes): the block running, whose tensors are freed once used, so at most what it would
+    save for backward (an upper bound), with its input; or the head's part. Only per-row log-probs outlive it."""
+    t = shapes.tokens
+    block = max(_block_working_set(cfg, acts, shapes, i) for i in range(shapes.blocks)) + t * acts.block_input
+    return max(block + t * acts.outside, _no_grad_head(cfg, shapes))
+
+
+def _no_grad_head(cfg: Config, shapes: Shapes) -> float:
+    """The head's per-token log-probs without gradient (train/loss.py, token_logps): one chunk's logits in the
+    compute dtype, their fp32 copy and its log-softmax; the final hidden states, their copy without each row's
+    last position and the trained positions' rows; each token's label (int64, and its shifted copy) and log-prob."""
+    t = shapes.tokens
+    chunk = min(cfg.train.loss_chunk_tokens or t, t)
+    return chunk * shapes.vocab * (shapes.compute + 4 + 4) + 3 * t * shapes.hidden * shapes.compute + 20 * t
+
+
+def _grads_beside_no_grad_forward(cfg: Config, grads: list[float]) -> float:
+    """The gradients alive during the gradient-free forwards: none for KTO's mismatched rows, run for the whole
+    step before its first backward; the earlier micro-batches' for a reference run beside each micro-batch's own
+    forward (train/preference.py)."""
+    reference = cfg.train.objective in REFERENCE_OBJECTIVES and not cfg.pref.precompute_reference
+    return sum(grads) if reference and cfg.train.grad_accum > 1 else 0.0
 
 
 def _block_working_set(cfg: Config, acts: BlockActivations, shapes: Shapes, i: int) -> float:

@@ -126,8 +126,8 @@ class RunResult:
 
 
 def run_training(cfg: Config, dry_run: bool = False, auto_fit: bool = False) -> RunResult:
-    # --auto-fit may choose cpu_offload, whose CPU-side collectives need gloo beside NCCL from the start.
-    env = init_distributed(cfg.parallel.cpu_offload or auto_fit,
+    # gloo beside NCCL only where cpu_offload is asked for; --auto-fit adds it when it chooses cpu_offload.
+    env = init_distributed(cfg.parallel.cpu_offload,
                            ("parallel.load_timeout_s", cfg.parallel.load_timeout_s))
     try:
         with collective_errors(env):
