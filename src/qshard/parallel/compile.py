@@ -67,15 +67,22 @@ def quiet_traced_checkpoint_notice() -> None:
 
 
 def keep_graphs_cacheable() -> None:
-    """Let inductor's graph cache keep the blocks' graphs. A block's graph holds random ops even without dropout
-    (the attention kernel takes a dropout probability), which a traced checkpoint replays with their random
-    state. Where torch cannot cache the wrapper it uses for that by default (the one CUDA graphs need, and
-    qshard does not capture CUDA graphs), use the other, which it can: every run would compile anew otherwise."""
+    """Let torch's caches keep the blocks' compiled graphs, so that a later run loads them rather than compiles
+    them again. Two settings of torch's stand in the way, each safe for qshard's blocks:
+    - A block's graph holds random ops even without dropout (the attention kernel takes a dropout
+      probability), which a traced checkpoint replays with their random state. Where torch cannot cache the
+      wrapper it uses for that by default (the one CUDA graphs need, and qshard does not capture CUDA graphs),
+      use the other, which it can.
+    - The graph of the autograd pass (AOTAutograd's cache, above inductor's) is cached only without custom
+      autograd functions unless allowed. qshard's quantized matmuls are such functions; the compiler traces
+      their forward and backward into the graph, which is what the cache is keyed on, and they keep no state
+      beyond it (a layer's tensors are graph inputs), so their graphs are safe to reuse."""
     from torch._prims import rng_prims
 
     graphsafe = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
     if graphsafe is not None and not graphsafe.cacheable():
         torch._functorch.config.graphsafe_rng_functionalization = False
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def compile_choice(parallel: ParallelConfig, device: torch.device, triton: bool | None = None) -> tuple[bool, str]:
