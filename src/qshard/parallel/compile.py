@@ -3,8 +3,9 @@
 Only each block's `forward` is compiled, not its `__call__`: FSDP2's hooks (all-gather, reshard) keep
 running eagerly around the compiled graph, exactly as without compilation. Blocks of one class share one
 compiled graph (modules are inlined, so their parameters are graph inputs rather than constants baked
-into it). Activation checkpointing is traced into the graph of the blocks parallelize names
-(parallel/checkpointing.py: traced_checkpoint); elsewhere its hooks run around the compiled forward.
+into it; the first block's input requires grad like the others': first_block_shares_the_graph). Activation
+checkpointing is traced into the graph of the blocks parallelize names (parallel/checkpointing.py:
+traced_checkpoint); elsewhere its hooks run around the compiled forward.
 
 `parallel.compile: auto` (the default) is decided here once per run, for the device it runs on
 (`compile_choice`), and the compiled code is cached on disk, so that a later run of the same model and
@@ -46,6 +47,47 @@ def compile_blocks(
     for block in blocks:
         forward = traced_checkpoint(block.forward, save_projections) if id(block) in chosen else block.forward
         block.forward = torch.compile(forward, backend=backend, options=options)
+    first_block_shares_the_graph(blocks)
+
+
+def first_block_shares_the_graph(blocks: list[nn.Module]) -> None:
+    """Let the first block run the compiled graph of the blocks after it: in training, its input is made to
+    require grad like theirs (`_hidden_states_require_grad`). Only where it trains weights: a block that
+    trains none would otherwise compute a whole backward for nothing."""
+    if blocks and any(p.requires_grad for p in blocks[0].parameters()):
+        # Prepended: a checkpoint's hook on the block must see the input that the forward gets.
+        blocks[0].register_forward_pre_hook(_hidden_states_require_grad, prepend=True, with_kwargs=True)
+
+
+class _DroppedGradient(torch.autograd.Function):
+    """`x` (a view of it) recorded in autograd as if computed from `anchor`: it requires grad, and the gradient
+    that reaches it goes no further (`x` comes from no trained weight)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def _hidden_states_require_grad(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the first block: in training its hidden states require grad, as every later block's
+    do. Blocks of a class share one compiled graph only if their inputs agree on requires_grad (a graph for an
+    input that does not computes no gradient for it), and the first block's input comes from the embedding,
+    which is frozen under LoRA: without this the first block would compile a second graph of its own. The
+    cost: the first block's backward also computes its input's gradient (through its attention projections, a
+    small part of one block's backward), which stops there: the frozen embedding computes no backward, and no
+    tensor keeps the gradient (a leaf made to require grad would, in its .grad, until the graph is freed)."""
+    if not torch.is_grad_enabled():
+        return None
+    in_args = bool(args)
+    hidden = args[0] if in_args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.requires_grad:
+        return None
+    hidden = _DroppedGradient.apply(hidden, torch.empty(0, requires_grad=True))
+    return ((hidden, *args[1:]), kwargs) if in_args else (args, {**kwargs, "hidden_states": hidden})
 
 
 class _DropMessage(logging.Filter):
