@@ -46,7 +46,8 @@ def test_every_block_runs_one_graph_that_the_caches_can_keep_and_trains_like_eag
     grad like the others', which the compiled graphs guard on. No tensor but the trained weights keeps a
     gradient for it. AOTAutograd's cache can key the graph (a miss, not a bypass: the traced checkpoint's policy
     is named by a cache_hash and pickles, and the quantized matmul's autograd function is allowed), and the
-    loss and gradients are the eager blocks'."""
+    loss and gradients are the eager blocks'. Another sequence length compiles one more graph (a dynamic one),
+    again shared by every block."""
     model_dir = tiny_models("llama", num_hidden_layers=3)
     batch = {"input_ids": torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))}
     grads, losses = {}, {}
@@ -66,10 +67,14 @@ def test_every_block_runs_one_graph_that_the_caches_can_keep_and_trains_like_eag
             leaves = _leaves_outside(loss, {id(p) for p in model.parameters()})
             loss.backward()
             assert [leaf.shape for leaf in leaves if leaf.grad is not None] == []
+            losses[compiled] = loss.detach()
+            grads[compiled] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            if compiled:  # another length: one more graph, with a dynamic sequence length, for every block again
+                longer = {"input_ids": torch.randint(3, 200, (2, 32), generator=torch.Generator().manual_seed(0))}
+                model(**longer, use_cache=False).logits.float().square().mean().backward()
+                assert dict(counters["stats"])["unique_graphs"] == 2, dict(counters["stats"])
         finally:
             torch._dynamo.reset()
-        losses[compiled] = loss.detach()
-        grads[compiled] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads[False].keys() == grads[True].keys() and len(grads[False]) == 3 * 14  # q,k,v,o,gate,up,down: A, B
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-6, atol=1e-6)
     for name in grads[False]:

@@ -60,12 +60,13 @@ def first_block_shares_the_graph(blocks: list[nn.Module]) -> None:
 
 
 class _DroppedGradient(torch.autograd.Function):
-    """`x` (a view of it) recorded in autograd as if computed from `anchor`: it requires grad, and the gradient
-    that reaches it goes no further (`x` comes from no trained weight)."""
+    """`x` recorded in autograd as if computed from `anchor`: it requires grad, and the gradient that reaches it
+    goes no further (`x` comes from no trained weight). Returned detached, not as a view: with dynamic shapes
+    the compiled graphs guard on a view's base, which the later blocks' inputs do not have."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
