@@ -17,6 +17,8 @@ that recomputes every op but random draws, so the block keeps its inputs and the
 from __future__ import annotations
 
 import functools
+import hashlib
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -87,8 +89,14 @@ def _narrowing_matmul(op, args) -> bool:
     return weight.shape[-1] <= weight.shape[-2]
 
 
-def _policy(save_projections: bool):
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+class _RecomputePolicy:
+    """Which ops a traced checkpoint keeps for backward. A module-level class, not a closure: the compiler's
+    cache pickles it with the graph it belongs to, and cannot pickle a local function."""
+
+    def __init__(self, save_projections: bool) -> None:
+        self.save_projections = save_projections
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         # Random draws keep their output: recomputed, they would draw another dropout mask in backward.
         if _draws_random_numbers(op, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
@@ -96,11 +104,22 @@ def _policy(save_projections: bool):
         # (attention's q, k and v, each adapter's low-rank input), not the outputs of o_proj and down_proj.
         # With cuDNN attention the compiled graph then keeps attention's output too, so backward does not
         # rerun attention (on CPU it does).
-        if save_projections and _narrowing_matmul(op, args):
+        if self.save_projections and _narrowing_matmul(op, args):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.MUST_RECOMPUTE
 
-    return policy
+
+@functools.cache
+def _checkpoint_context(save_projections: bool) -> functools.partial:
+    """The context function of every traced checkpoint with this setting: one object, which the compiled graphs
+    of all blocks of a class share (the compiler guards on its identity, and would compile a graph per block
+    for one object each). Its `cache_hash` names the policy in torch's caches, which keep the compiled graphs of
+    a selective checkpoint only when told what it decides: this module's code and the one setting, so that
+    another version of the policy compiles anew."""
+    context = functools.partial(create_selective_checkpoint_contexts, _RecomputePolicy(save_projections))
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    context.cache_hash = f"qshard-traced-checkpoint-{source}-{save_projections}"
+    return context
 
 
 def traced_checkpoint(forward, save_projections: bool = False):
@@ -113,7 +132,7 @@ def traced_checkpoint(forward, save_projections: bool = False):
     Why every op is forced to recompute: a plain checkpoint only marks ops as preferably recomputed, and
     the compiler's partitioner then keeps most of each block's activations for backward. `save_projections`
     (parallel.ac_save_projections) exempts the narrowing matmuls (`_narrowing_matmul`)."""
-    context = functools.partial(create_selective_checkpoint_contexts, _policy(save_projections))
+    context = _checkpoint_context(save_projections)
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):

@@ -3,8 +3,9 @@
 Only each block's `forward` is compiled, not its `__call__`: FSDP2's hooks (all-gather, reshard) keep
 running eagerly around the compiled graph, exactly as without compilation. Blocks of one class share one
 compiled graph (modules are inlined, so their parameters are graph inputs rather than constants baked
-into it). Activation checkpointing is traced into the graph of the blocks parallelize names
-(parallel/checkpointing.py: traced_checkpoint); elsewhere its hooks run around the compiled forward.
+into it; the first block's input requires grad like the others': first_block_shares_the_graph). Activation
+checkpointing is traced into the graph of the blocks parallelize names (parallel/checkpointing.py:
+traced_checkpoint); elsewhere its hooks run around the compiled forward.
 
 `parallel.compile: auto` (the default) is decided here once per run, for the device it runs on
 (`compile_choice`), and the compiled code is cached on disk, so that a later run of the same model and
@@ -46,6 +47,48 @@ def compile_blocks(
     for block in blocks:
         forward = traced_checkpoint(block.forward, save_projections) if id(block) in chosen else block.forward
         block.forward = torch.compile(forward, backend=backend, options=options)
+    first_block_shares_the_graph(blocks)
+
+
+def first_block_shares_the_graph(blocks: list[nn.Module]) -> None:
+    """Let the first block run the compiled graph of the blocks after it: in training, its input is made to
+    require grad like theirs (`_hidden_states_require_grad`). Only where it trains weights: a block that
+    trains none would otherwise compute a whole backward for nothing."""
+    if blocks and any(p.requires_grad for p in blocks[0].parameters()):
+        # Prepended: a checkpoint's hook on the block must see the input that the forward gets.
+        blocks[0].register_forward_pre_hook(_hidden_states_require_grad, prepend=True, with_kwargs=True)
+
+
+class _DroppedGradient(torch.autograd.Function):
+    """`x` recorded in autograd as if computed from `anchor`: it requires grad, and the gradient that reaches it
+    goes no further (`x` comes from no trained weight). Returned detached, not as a view: with dynamic shapes
+    the compiled graphs guard on a view's base, which the later blocks' inputs do not have."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def _hidden_states_require_grad(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the first block: in training its hidden states require grad, as every later block's
+    do. Blocks of a class share one compiled graph only if their inputs agree on requires_grad (a graph for an
+    input that does not computes no gradient for it), and the first block's input comes from the embedding,
+    which is frozen under LoRA: without this the first block would compile a second graph of its own. The
+    cost: the first block's backward also computes its input's gradient (through its attention projections, a
+    small part of one block's backward), which stops there: the frozen embedding computes no backward, and no
+    tensor keeps the gradient (a leaf made to require grad would, in its .grad, until the graph is freed)."""
+    if not torch.is_grad_enabled():
+        return None
+    in_args = bool(args)
+    hidden = args[0] if in_args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.requires_grad:
+        return None
+    hidden = _DroppedGradient.apply(hidden, torch.empty(0, requires_grad=True))
+    return ((hidden, *args[1:]), kwargs) if in_args else (args, {**kwargs, "hidden_states": hidden})
 
 
 class _DropMessage(logging.Filter):
@@ -67,15 +110,22 @@ def quiet_traced_checkpoint_notice() -> None:
 
 
 def keep_graphs_cacheable() -> None:
-    """Let inductor's graph cache keep the blocks' graphs. A block's graph holds random ops even without dropout
-    (the attention kernel takes a dropout probability), which a traced checkpoint replays with their random
-    state. Where torch cannot cache the wrapper it uses for that by default (the one CUDA graphs need, and
-    qshard does not capture CUDA graphs), use the other, which it can: every run would compile anew otherwise."""
+    """Let torch's caches keep the blocks' compiled graphs, so that a later run loads them rather than compiles
+    them again. Two settings of torch's stand in the way, each safe for qshard's blocks:
+    - A block's graph holds random ops even without dropout (the attention kernel takes a dropout
+      probability), which a traced checkpoint replays with their random state. Where torch cannot cache the
+      wrapper it uses for that by default (the one CUDA graphs need, and qshard does not capture CUDA graphs),
+      use the other, which it can.
+    - The graph of the autograd pass (AOTAutograd's cache, above inductor's) is cached only without custom
+      autograd functions unless allowed. qshard's quantized matmuls are such functions; the compiler traces
+      their forward and backward into the graph, which is what the cache is keyed on, and they keep no state
+      beyond it (a layer's tensors are graph inputs), so their graphs are safe to reuse."""
     from torch._prims import rng_prims
 
     graphsafe = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
     if graphsafe is not None and not graphsafe.cacheable():
         torch._functorch.config.graphsafe_rng_functionalization = False
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def compile_choice(parallel: ParallelConfig, device: torch.device, triton: bool | None = None) -> tuple[bool, str]:
