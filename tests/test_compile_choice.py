@@ -53,9 +53,9 @@ def test_auto_stays_off_where_compile_would_not_pay_and_explicit_values_win(trit
     # reentrant checkpointing would be traced into the graph, which would then keep the activations
     assert compile_choice(_parallel(ac_reentrant=True), CUDA) == (
         False, "parallel.compile auto: off with parallel.ac_reentrant true")
-    assert compile_choice(_parallel(mlp_tile_tokens=1024), CUDA)[0] is False
-    with pytest.raises(QShardError, match="parallel.mlp_tile_tokens: cannot be combined with parallel.compile true"):
-        _parallel(compile=True, mlp_tile_tokens=1024)
+    # tiled MLPs compile tile by tile (parallel/tiling.py), so they leave compile on
+    assert compile_choice(_parallel(mlp_tile_tokens=1024), CUDA) == (True, "parallel.compile auto: on (CUDA, Triton)")
+    assert compile_choice(_parallel(compile=True, mlp_tile_tokens=1024), CUDA)[0] is True
     assert compile_choice(_parallel(compile=True), CPU) == (True, "parallel.compile true")
     assert compile_choice(_parallel(compile=False), CUDA) == (False, "parallel.compile false")
     with pytest.raises(QShardError, match="parallel.ac_reentrant: with parallel.compile"):

@@ -1,8 +1,10 @@
-"""Long context: the sequence-tiled MLP (parallel.mlp_tile_tokens) computes what the plain MLP computes, its
-gradients reach FSDP2 (world sizes 1 and 2), and a block saves less for backward with it."""
+"""Long context: the sequence-tiled MLP (parallel.mlp_tile_tokens) computes what the plain MLP computes, eager
+and compiled, running each tile's forward twice a step in a checkpointed block; its gradients reach FSDP2
+(world sizes 1 and 2), and a block saves less for backward with it."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -27,7 +29,7 @@ def _build(model_dir, env, tile: int, *options: tuple[str, str]):
 
 
 def _loss_and_grads(model, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     grads = {}
     for name, p in model.named_parameters():
@@ -38,12 +40,24 @@ def _loss_and_grads(model, ids: torch.Tensor) -> tuple[float, dict[str, torch.Te
     return loss.item(), grads
 
 
-def _compare(model_dir, env, options, ids) -> dict[str, float]:
-    """Loss and every trainable gradient, untiled and tiled; returns the largest relative gradient error."""
+def _count_tile_forwards(model) -> list[int]:
+    """A list that grows by one each time a tile's MLP (eager or compiled) runs, in any block."""
+    counted = []
+    for layer in model.model.layers:
+        tiled = layer.mlp.forward
+        tiled.run = functools.partial(lambda run, x: counted.append(1) or run(x), tiled.run)
+    return counted
+
+
+def _compare(model_dir, env, options, ids, plain_options=None) -> dict[str, float]:
+    """Loss and every trainable gradient, untiled (with `plain_options`, by default `options`) and tiled; returns
+    the largest relative gradient error and how many times each tile's forward ran."""
     from qshard.parallel import tiling
 
-    plain_loss, plain = _loss_and_grads(_build(model_dir, env, 0, *options), ids)
+    plain_loss, plain = _loss_and_grads(_build(model_dir, env, 0, *(options if plain_options is None
+                                                                      else plain_options)), ids)
     tiled_model = _build(model_dir, env, TILE, *options)
+    forwards = _count_tile_forwards(tiled_model)
     calls = []
     backward = tiling._TiledMLP.backward
     tiling._TiledMLP.backward = staticmethod(lambda ctx, g: calls.append(1) or backward(ctx, g))
@@ -55,17 +69,41 @@ def _compare(model_dir, env, options, ids) -> dict[str, float]:
     assert abs(tiled_loss - plain_loss) <= 1e-5 * abs(plain_loss)
     assert plain.keys() == tiled.keys() and any(".mlp." in n for n in plain)
     errors = {n: float((tiled[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in plain.items()}
-    return {"loss": tiled_loss, "error": max(errors.values())}
+    tiles = tiled_model.config.num_hidden_layers * -(-ids.numel() // TILE)
+    return {"loss": tiled_loss, "error": max(errors.values()), "forwards per tile": len(forwards) / tiles}
 
 
-@pytest.mark.parametrize("options", [
-    (("train.train_type", "qlora"),),  # non-reentrant checkpoints
-    (("train.train_type", "qdora"), ("parallel.ac_reentrant", "true")),
-    (("train.train_type", "lora"), ("parallel.activation_checkpointing", "false")),
+# Each tile's forward: once in forward, once in its backward. A non-reentrant checkpoint's recompute stops
+# before the MLP (the tiled MLP saves its input first); a reentrant one reruns the whole block.
+@pytest.mark.parametrize("options, forwards", [
+    ((("train.train_type", "qlora"),), 2),  # non-reentrant checkpoints
+    ((("train.train_type", "qdora"), ("parallel.ac_reentrant", "true")), 3),
+    ((("train.train_type", "lora"), ("parallel.activation_checkpointing", "false")), 2),
 ], ids=["qlora", "qdora-reentrant", "lora-no-checkpoints"])
-def test_tiled_mlp_equals_plain(dist_env, tiny_models, options):
+def test_tiled_mlp_equals_plain(dist_env, tiny_models, options, forwards):
     ids = torch.randint(3, 400, (2, 37), generator=torch.Generator().manual_seed(0))
-    assert _compare(tiny_models("llama"), dist_env, options, ids)["error"] < 1e-5
+    result = _compare(tiny_models("llama"), dist_env, options, ids)
+    assert result["error"] < 1e-5
+    assert result["forwards per tile"] == forwards
+
+
+def test_compiled_tiled_mlp_equals_eager_plain(dist_env, tiny_models):
+    """Compiled blocks (inductor's C++ kernels here) around eagerly tiled MLPs whose tiles run a compiled graph:
+    the eager untiled block's loss and gradients, each tile's forward still run twice."""
+    import torch._dynamo
+
+    ids = torch.randint(3, 400, (1, 37), generator=torch.Generator().manual_seed(0))
+    options = (("train.train_type", "qlora"),)
+    torch._dynamo.reset()
+    try:
+        result = _compare(tiny_models("llama", num_hidden_layers=1), dist_env,
+                          (*options, ("parallel.compile", "true")), ids, plain_options=options)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert result["error"] < 1e-4
+    assert result["forwards per tile"] == 2
+    assert graphs >= 3  # the block's graphs before and after the MLP, and one tile's
 
 
 
@@ -166,9 +204,8 @@ def test_tiled_mlp_replays_dropout_masks():
         assert (got_grad - want_grad).norm() <= 1e-5 * want_grad.norm()
 
 
-def test_tiled_mlp_refused_with_compile():
-    with pytest.raises(QShardError, match="parallel.mlp_tile_tokens: cannot be combined with parallel.compile"):
-        resolve(None, [("parallel.mlp_tile_tokens", "4096"), ("parallel.compile", "true")])
+def test_tiled_mlp_taken_with_compile_and_negative_tiles_refused():
+    assert resolve(None, [("parallel.mlp_tile_tokens", "4096"), ("parallel.compile", "true")]).parallel.compile is True
     with pytest.raises(QShardError, match="parallel.mlp_tile_tokens must be >= 0"):
         resolve(None, [("parallel.mlp_tile_tokens", "-1")])
 

@@ -217,7 +217,8 @@ def test_tiled_mlps_are_planned_as_one_tile_of_intermediates(capsys):
     at_128k = _plan(capsys, *H200_8B, "--seq", "131072", *TILED)
     at_256k = _plan(capsys, *H200_8B, "--seq", "262144", *TILED)
     assert at_128k["parts"]["recompute working set"] < 0.5 * untiled["parts"]["recompute working set"]
-    assert at_128k["tok_s"] < untiled["tok_s"]  # each tile's forward runs again in backward, and nothing compiles
+    # Tiles compile, and a checkpointed block's recompute skips them: they cost no forward there, and gain nothing.
+    assert at_128k["tok_s"] <= untiled["tok_s"]
     # measured 26.83 GiB and 2,396 tok/s at 128k: the prediction is 10.7% over (the working-set factor was fitted
     # on untiled blocks); 44.22 GiB at 256k, 76.1 GiB of host RSS (74.0 GiB of offloaded activations)
     assert abs(at_128k["peak_gpu_gib"] - 26.83) <= 0.12 * 26.83, at_128k

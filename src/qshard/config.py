@@ -594,11 +594,6 @@ class Config:
     def _validate_mlp_tiles(self) -> None:
         p = self.parallel
         _non_negative("parallel.mlp_tile_tokens", p.mlp_tile_tokens)
-        if p.mlp_tile_tokens and p.compile is True:
-            # The tiles' backward runs autograd on each tile itself, which a compiled block's graph cannot trace.
-            raise QShardError("parallel.mlp_tile_tokens: cannot be combined with parallel.compile true (a compiled "
-                              "block cannot trace the tiled MLP's backward); set parallel.compile auto or false, or "
-                              "parallel.mlp_tile_tokens 0")
 
 
 def precision_name(cfg: Config) -> str:
@@ -715,7 +710,7 @@ def checkpoint_trace_unmet(parallel: ParallelConfig, train_type: str, dropout: f
     place (one process, storage left to FSDP2, no CPU offload: parallel/fsdp.py, blocks_in_place) keep their
     integer storage, and the compiler's partitioner fails on the float carriers an FSDP2 unit would hold;
     with LoRA dropout a traced checkpoint keeps every dropout's output and mask, where the hooks'
-    recomputation redraws them exactly."""
+    recomputation redraws them exactly; a tiled MLP breaks the block's graph (its tiles run eagerly)."""
     return [reason for reason, ok in (
         ("parallel.compile true", parallel.compile is not False),  # auto: decided on the device (compile_choice)
         ("parallel.activation_checkpointing true", parallel.activation_checkpointing),
@@ -724,6 +719,7 @@ def checkpoint_trace_unmet(parallel: ParallelConfig, train_type: str, dropout: f
         ("one process (parallel.nproc 1)", world_size == 1),
         ("parallel.cpu_offload false", not parallel.cpu_offload),
         ("parallel.quant_sharding fsdp", parallel.quant_sharding != "dtensor"),
+        ("parallel.mlp_tile_tokens 0", not parallel.mlp_tile_tokens),
     ) if not ok]
 
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 from qshard.config import Config, ParallelConfig
 from qshard.parallel.checkpointing import traced_checkpoint
 from qshard.parallel.compile_cache import use_persistent_caches
+from qshard.parallel.tiling import compile_tiles
 
 log = logging.getLogger("qshard")
 
@@ -38,7 +39,8 @@ def compile_blocks(
     blocks: list[nn.Module], backend: str, checkpointed: list[nn.Module], save_projections: bool = False
 ) -> None:
     """Compile each block's forward; those in `checkpointed` with the checkpoint traced into the graph
-    (keeping the outputs of narrowing projections with `save_projections`)."""
+    (keeping the outputs of narrowing projections with `save_projections`). A tiled MLP breaks its block's graph:
+    the tiling runs eagerly, one tile's MLP in a graph of its own (parallel/tiling.py, compile_tiles)."""
     options = INDUCTOR_OPTIONS if backend == "inductor" else None
     keep_graphs_cacheable()
     if checkpointed:
@@ -47,6 +49,7 @@ def compile_blocks(
     for block in blocks:
         forward = traced_checkpoint(block.forward, save_projections) if id(block) in chosen else block.forward
         block.forward = torch.compile(forward, backend=backend, options=options)
+    compile_tiles(blocks, backend, options)
     first_block_shares_the_graph(blocks)
 
 
@@ -132,8 +135,8 @@ def compile_choice(parallel: ParallelConfig, device: torch.device, triton: bool 
     """Whether this run compiles its blocks, and why. `auto` compiles on CUDA where inductor can generate its
     kernels (Triton installed), and not where a setting keeps compile from paying: on the CPU inductor's C++
     kernels compile for minutes to beat eager by little, and reentrant checkpointing would be traced into the
-    graph, which then keeps every activation, and tiled MLPs run autograd inside their backward, which a graph
-    cannot trace (the config refuses `compile: true` with either)."""
+    graph, which then keeps every activation (the config refuses `compile: true` with it). Tiled MLPs compile
+    tile by tile (parallel/tiling.py, compile_tiles)."""
     if parallel.compile != AUTO:  # == not is: a value read from YAML is another str object
         return parallel.compile, f"parallel.compile {str(parallel.compile).lower()}"
     if device.type != "cuda":
@@ -144,8 +147,6 @@ def compile_choice(parallel: ParallelConfig, device: torch.device, triton: bool 
         return False, "parallel.compile auto: off, Triton is not installed"
     if parallel.activation_checkpointing and parallel.ac_reentrant:
         return False, "parallel.compile auto: off with parallel.ac_reentrant true"
-    if parallel.mlp_tile_tokens:
-        return False, "parallel.compile auto: off with parallel.mlp_tile_tokens (a graph cannot trace the tiles)"
     return True, "parallel.compile auto: on (CUDA, Triton)"
 
 

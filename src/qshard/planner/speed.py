@@ -41,8 +41,11 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     # Forward 2 FLOPs per weight and token, the input's gradient 2, the weight's gradient 2 where it trains;
     # checkpointed blocks run their forward again in backward.
     matmul = t * (2 * (frozen + trained) * (2 + ckpt) + 2 * trained)
-    if p.mlp_tile_tokens and t > p.mlp_tile_tokens:  # each tile's forward runs again in backward (parallel/tiling)
-        matmul += t * 2 * _mlp_params(model)
+    if p.mlp_tile_tokens and t > p.mlp_tile_tokens:
+        # Each tile's forward runs again in its backward (parallel/tiling.py); a non-reentrant checkpoint's
+        # recompute then skips the MLP, so only blocks not checkpointed that way run it once more.
+        again = 1.0 if p.ac_reentrant else 1.0 - ckpt
+        matmul += t * 2 * _mlp_params(model) * again
     head = t * shapes.vocab * shapes.hidden * (2 * 3 + (2 if head_trains(plans) else 0))
     # Causal attention: QK^T and PV, half the matrix; backward about 2.5 forwards; once more if recomputed.
     recomputed_attention = ckpt
