@@ -61,6 +61,47 @@ def _check_offloaded(model) -> None:
     assert not names & {"packed", "absmax", "scale_zero"}  # out of to_empty's and the state dict's reach
 
 
+def _check_embedding_and_head_stay(model, world_size: int) -> None:
+    """The frozen embedding and head are not offloaded: used in place on one device (plain tensors, no unit),
+    in units without an offload policy on several; the blocks' units offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    def policy(module):
+        return module._get_fsdp_state()._fsdp_param_group.offload_policy
+
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if world_size == 1:
+            assert not isinstance(module, FSDPModule) and type(module.weight) is torch.nn.Parameter
+        else:
+            assert isinstance(module, FSDPModule) and not isinstance(policy(module), CPUOffloadPolicy)
+    assert isinstance(policy(model.model.layers[0]), CPUOffloadPolicy)
+
+
+def test_host_adamw_is_fused_and_steps_as_foreach_does():
+    """AdamW on the host (cpu_offload, CPU runs) takes the fused kernel: no temporary the size of the second
+    moments, one pass over the state; its step is foreach's within float rounding."""
+    from qshard.config import OptimConfig
+    from qshard.train.optim import build_optimizer
+
+    def stepped(fused: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1), torch.device("cpu"))
+        assert optimizer.defaults["fused"] is True and not optimizer.defaults["foreach"]
+        if not fused:
+            optimizer.defaults["fused"] = False
+            for group in optimizer.param_groups:
+                group["fused"], group["foreach"] = False, True
+        for _ in range(3):
+            model(torch.randn(4, 64)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    for got, want in zip(stepped(True), stepped(False)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _watch_staged(window) -> list[int]:
     """How many blocks `window` holds staged after each fetch, recorded from here on (its layers call
     `window.fetch`, and only a fetch changes what is staged)."""
@@ -90,6 +131,7 @@ def _compare(model_dir: str, env, method: str) -> dict:
     # Loaded into the host shards: the gathered weights are the non-offloaded model's, bit for bit.
     for layer, weight in zip(_quantized(model), reference):
         assert torch.equal(layer.dequantized_weight(torch.float32), weight)
+    _check_embedding_and_head_stay(model, env.world_size)
     found = _train(model, STEPS)
     _check_offloaded(model)
     torch.testing.assert_close(torch.tensor(found), torch.tensor(expected), rtol=1e-6, atol=1e-6)

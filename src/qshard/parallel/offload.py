@@ -226,13 +226,14 @@ def _views(flat: torch.Tensor, layout: Layout) -> list[tuple[torch.Tensor, ...]]
 class _BlockStorage:
     """The local shards of one block's quantized layers, as views of one flat host buffer.
 
-    One buffer per block, not one tensor per shard: the block then reaches the GPU in a single copy, and
-    torch's pinned-memory allocator, which rounds each allocation up to a power of two, rounds once per
-    block instead of once per shard (up to 2x each)."""
+    One buffer per block, not one tensor per shard: the block then reaches the GPU in a single copy. The buffer
+    is page-locked at its exact size (`_host_bytes`), not taken from torch's pinned-memory allocator, which
+    rounds each allocation up to a power of two: a 70B block's 0.45 GiB would take 0.5 GiB, 4 GiB over the
+    80 blocks."""
 
     def __init__(self, layout: Layout, nbytes: int, pin: bool) -> None:
         self.layout = layout
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.host = _host_bytes(nbytes, pin)
         self.host_views = _views(self.host, layout)
 
 
