@@ -15,11 +15,12 @@ from qshard.config import resolve
 STEPS = 2
 
 
-def _build(model_dir: str, env, method: str, offload: bool):
+def _build(model_dir: str, env, method: str, offload: bool, *extra: tuple[str, str]):
     from qshard.build import build_model
 
     cfg = resolve(None, [("train.train_type", "qlora"), ("quant.method", method), ("train.precision", "fp32"),
-                         ("parallel.quant_sharding", "dtensor"), ("parallel.cpu_offload", str(offload).lower())])
+                         ("parallel.quant_sharding", "dtensor"), ("parallel.cpu_offload", str(offload).lower()),
+                         *extra])
     model, _ = build_model(cfg, env, model_dir)
     return model
 
@@ -146,6 +147,25 @@ def test_offloaded_storage_world_size_1(tiny_models, dist_env):
         result = _compare(str(tiny_models("llama")), dist_env, method)
         assert result["shard_rows"] == result["rows"]
 
+
+
+def test_resident_blocks_stay_on_the_device_and_train_as_offloaded_ones(tiny_models, dist_env):
+    """parallel.resident_blocks 1: the first block's storage buffer is on the compute device and never staged
+    through a copy; the other blocks' are offloaded; the losses are the non-offloaded run's."""
+    import pytest
+
+    from qshard.errors import QShardError
+
+    model_dir = str(tiny_models("llama"))
+    expected = _train(_build(model_dir, dist_env, "nf4", False), STEPS)
+    model = _build(model_dir, dist_env, "nf4", True, ("parallel.resident_blocks", "1"))
+    window = _quantized(model)[0].offloaded.window
+    assert [b.resident for b in window.blocks] == [True, False]
+    assert window.blocks[0].host.device == dist_env.device and window._stage(0).copied is None
+    found = _train(model, STEPS)
+    torch.testing.assert_close(torch.tensor(found), torch.tensor(expected), rtol=1e-6, atol=1e-6)
+    with pytest.raises(QShardError, match="parallel.resident_blocks: only has an effect with parallel.cpu_offload"):
+        resolve(None, [("parallel.resident_blocks", "2")])
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:

@@ -61,6 +61,15 @@ def test_70b_on_a_24_gib_gpu_with_cpu_offload_matches_the_measured_host_memory_a
     # The storage's 80 block buffers at their exact size (0.448 GiB each), beside the LoRA masters FSDP2 pins.
     assert 35.86 + 3.0 < found["host_parts"]["offloaded weights (pinned)"] < 35.86 + 3.5, found
     assert found["parts"]["embedding and head"] == pytest.approx(3.91, abs=0.01), found
+    # parallel.resident_blocks 8: 8 blocks' storage moves from the host to the GPU, with their copies.
+    resident = _plan(capsys, "--model.shape", "llama3-70b", "--gpu-kind", "h200", "--gpu-mem", "24", "--lora-rank",
+                     "64", "--seq", "2048", "--parallel.cpu_offload", "true", "--parallel.quant_sharding", "dtensor",
+                     "--parallel.resident_blocks", "8")
+    block = 35.86 / 80
+    assert resident["parts"]["quantized storage"] == pytest.approx(8 * block, rel=0.01), resident
+    assert resident["peak_host_gib"] == pytest.approx(found["peak_host_gib"] - 8 * block, rel=0.01), resident
+    assert resident["time_parts"]["exposed communication (links, PCIe)"] < \
+        found["time_parts"]["exposed communication (links, PCIe)"], resident
     too_little = _plan(capsys, "--model.shape", "llama3-70b", "--gpu-kind", "h200", "--gpu-mem", "24",
                        "--parallel.cpu_offload", "true", "--host-mem", "32")
     assert too_little["fits"] is False and too_little["fits_host"] is False and too_little["fits_gpu"] is True

@@ -101,7 +101,7 @@ def storage_in_dtensor_buffers(model: nn.Module, blocks: list[nn.Module], mesh: 
         if isinstance(module, QuantizedLinear):
             shard_as_dtensor_buffers(module, mesh)
     if parallel.cpu_offload:
-        offload_quantized_storage(model, blocks, compute_device(mesh))
+        offload_quantized_storage(model, blocks, compute_device(mesh), parallel.resident_blocks)
 
 
 def traced_blocks(blocks: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig,

@@ -231,9 +231,12 @@ class _BlockStorage:
     rounds each allocation up to a power of two: a 70B block's 0.45 GiB would take 0.5 GiB, 4 GiB over the
     80 blocks."""
 
-    def __init__(self, layout: Layout, nbytes: int, pin: bool) -> None:
+    def __init__(self, layout: Layout, nbytes: int, pin: bool, resident: torch.device | None = None) -> None:
         self.layout = layout
-        self.host = _host_bytes(nbytes, pin)
+        # A resident block (parallel.resident_blocks) keeps its buffer on the compute device: no copy, ever.
+        self.resident = resident is not None
+        self.host = torch.empty(nbytes, dtype=torch.uint8, device=resident) if self.resident else \
+            _host_bytes(nbytes, pin)
         self.host_views = _views(self.host, layout)
 
 
@@ -299,7 +302,7 @@ class StorageWindow:
 
     def _stage(self, block: int) -> _Staged:
         storage = self.blocks[block]
-        if self.stream is None:  # the compute device is the host: the shards are used where they are
+        if self.stream is None or storage.resident:  # already on the compute device: used where they are
             return _Staged(storage.host, storage.host_views, None)
         with torch.cuda.stream(self.stream):
             flat = torch.empty(storage.host.shape, dtype=torch.uint8, device=self.device)
@@ -343,11 +346,13 @@ class OffloadedStorage:
         )
 
 
-def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device: torch.device) -> StorageWindow | None:
+def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device: torch.device,
+                              resident: int = 0) -> StorageWindow | None:
     """Move every quantized layer's DTensor-buffer shards (still on meta) into host memory, one flat buffer
     per block, and make the layer fetch them through a `StorageWindow`. The shards become plain attributes
     of the layer, outside its buffers: `model.to_empty(device=...)` then leaves them where they are, so the
-    quantized model is never materialized on the GPU, and loading writes each shard straight to host memory."""
+    quantized model is never materialized on the GPU, and loading writes each shard straight to host memory.
+    The first `resident` blocks' buffers are on `device` instead (parallel.resident_blocks)."""
     in_blocks = [[m for m in block.modules() if isinstance(m, QuantizedLinear)] for block in blocks]
     seen = {id(m) for layers in in_blocks for m in layers}
     # Quantized layers outside the blocks (none in the models qshard builds today) form units of their own.
@@ -372,7 +377,8 @@ def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device:
             layout.append(entries)
             specs.append((sharded[0].device_mesh, tuple(sharded[0].placements),
                           [t.shape for t in sharded], [t.stride() for t in sharded]))
-        window.blocks.append(_BlockStorage(layout, nbytes, pin=device.type == "cuda"))
+        window.blocks.append(_BlockStorage(layout, nbytes, pin=device.type == "cuda",
+                                           resident=device if block < resident else None))
         for index, (layer, spec) in enumerate(zip(layers, specs)):
             for name, host in zip(layer.STORAGE, window.blocks[block].host_views[index]):
                 del layer._buffers[name]

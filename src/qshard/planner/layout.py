@@ -97,6 +97,7 @@ def tensor_layout(model: Skeleton, cfg: Config, world_size: int, rank: int = 0) 
     kept = kept_embedding_and_head(model.model, world_size, cfg.parallel, precision(cfg))
     in_place |= {id(p) for m in kept for p in m.parameters()}
     resident = {id(p) for m in resident_embedding_and_head(model.model, cfg.parallel) for p in m.parameters()}
+    resident |= {i for b in model.blocks[:cfg.parallel.resident_blocks] for i in _storage_ids(b)}
     storage = _storage_ids(model.model) if cfg.parallel.quant_sharding == "dtensor" else set()
     parts = _parts(model)
     plans = []
@@ -146,7 +147,9 @@ def storage_block_bytes(plans: list[TensorPlan], model: Skeleton) -> list[int]:
             if not isinstance(module, QuantizedLinear):
                 continue
             for name in module.STORAGE:
-                nbytes = -(-nbytes // _ALIGN) * _ALIGN + local[f"{names[id(module)]}.{name}"].local_bytes
+                plan = local[f"{names[id(module)]}.{name}"]
+                if plan.on_host:  # not a resident block's (parallel.resident_blocks)
+                    nbytes = -(-nbytes // _ALIGN) * _ALIGN + plan.local_bytes
         if nbytes:
             sizes.append(nbytes)
     return sizes
