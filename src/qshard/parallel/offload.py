@@ -3,14 +3,16 @@
 Parameters: FSDP2's CPUOffloadPolicy keeps each rank's shards (and their gradients) on the CPU, copies a
 block's shards to the GPU for its all-gather, and the optimizer then steps on the CPU. The model is still
 materialized and loaded on the GPU (each rank's shards, as without offload); FSDP2 moves the shards to
-pinned CPU memory when the first forward initializes it.
+pinned CPU memory when the first forward initializes it. A frozen untied embedding and head are not offloaded
+(parallel/fsdp.py, resident_embedding_and_head).
 
 Quantized storage under `quant_sharding: dtensor`: the quantized codes and scales are outside FSDP2, so its
 policy does not move them; `offload_quantized_storage` does. Each rank's shards live in host memory
 (pinned when CUDA is present) from the start, one flat buffer per transformer block, and are never
 materialized on the GPU as a whole: `StorageWindow` copies one block's buffer to the GPU when the block
 runs and prefetches the next block's on a side stream (see there), then each layer all-gathers its
-shard over the shard group as without offload. The GPU holds at most two blocks' shards at a time.
+shard over the shard group as without offload. The GPU holds at most two blocks' shards at a time, besides
+those of the first `parallel.resident_blocks` blocks, whose buffers live on the GPU and are never copied.
 
 Activations: tensors that autograd saves for backward are copied to pinned CPU memory on a side stream
 while compute goes on, and copied back when backward needs them, into host buffers of a pool reused from
