@@ -15,11 +15,12 @@ from qshard.config import resolve
 STEPS = 2
 
 
-def _build(model_dir: str, env, method: str, offload: bool):
+def _build(model_dir: str, env, method: str, offload: bool, *extra: tuple[str, str]):
     from qshard.build import build_model
 
     cfg = resolve(None, [("train.train_type", "qlora"), ("quant.method", method), ("train.precision", "fp32"),
-                         ("parallel.quant_sharding", "dtensor"), ("parallel.cpu_offload", str(offload).lower())])
+                         ("parallel.quant_sharding", "dtensor"), ("parallel.cpu_offload", str(offload).lower()),
+                         *extra])
     model, _ = build_model(cfg, env, model_dir)
     return model
 
@@ -61,6 +62,47 @@ def _check_offloaded(model) -> None:
     assert not names & {"packed", "absmax", "scale_zero"}  # out of to_empty's and the state dict's reach
 
 
+def _check_embedding_and_head_stay(model, world_size: int) -> None:
+    """The frozen embedding and head are not offloaded: used in place on one device (plain tensors, no unit),
+    in units without an offload policy on several; the blocks' units offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    def policy(module):
+        return module._get_fsdp_state()._fsdp_param_group.offload_policy
+
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if world_size == 1:
+            assert not isinstance(module, FSDPModule) and type(module.weight) is torch.nn.Parameter
+        else:
+            assert isinstance(module, FSDPModule) and not isinstance(policy(module), CPUOffloadPolicy)
+    assert isinstance(policy(model.model.layers[0]), CPUOffloadPolicy)
+
+
+def test_host_adamw_is_fused_and_steps_as_foreach_does():
+    """AdamW on the host (cpu_offload, CPU runs) takes the fused kernel: no temporary the size of the second
+    moments, one pass over the state; its step is foreach's within float rounding."""
+    from qshard.config import OptimConfig
+    from qshard.train.optim import build_optimizer
+
+    def stepped(fused: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1), torch.device("cpu"))
+        assert optimizer.defaults["fused"] is True and not optimizer.defaults["foreach"]
+        if not fused:
+            optimizer.defaults["fused"] = False
+            for group in optimizer.param_groups:
+                group["fused"], group["foreach"] = False, True
+        for _ in range(3):
+            model(torch.randn(4, 64)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    for got, want in zip(stepped(True), stepped(False)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _watch_staged(window) -> list[int]:
     """How many blocks `window` holds staged after each fetch, recorded from here on (its layers call
     `window.fetch`, and only a fetch changes what is staged)."""
@@ -90,6 +132,7 @@ def _compare(model_dir: str, env, method: str) -> dict:
     # Loaded into the host shards: the gathered weights are the non-offloaded model's, bit for bit.
     for layer, weight in zip(_quantized(model), reference):
         assert torch.equal(layer.dequantized_weight(torch.float32), weight)
+    _check_embedding_and_head_stay(model, env.world_size)
     found = _train(model, STEPS)
     _check_offloaded(model)
     torch.testing.assert_close(torch.tensor(found), torch.tensor(expected), rtol=1e-6, atol=1e-6)
@@ -104,6 +147,25 @@ def test_offloaded_storage_world_size_1(tiny_models, dist_env):
         result = _compare(str(tiny_models("llama")), dist_env, method)
         assert result["shard_rows"] == result["rows"]
 
+
+
+def test_resident_blocks_stay_on_the_device_and_train_as_offloaded_ones(tiny_models, dist_env):
+    """parallel.resident_blocks 1: the first block's storage buffer is on the compute device and never staged
+    through a copy; the other blocks' are offloaded; the losses are the non-offloaded run's."""
+    import pytest
+
+    from qshard.errors import QShardError
+
+    model_dir = str(tiny_models("llama"))
+    expected = _train(_build(model_dir, dist_env, "nf4", False), STEPS)
+    model = _build(model_dir, dist_env, "nf4", True, ("parallel.resident_blocks", "1"))
+    window = _quantized(model)[0].offloaded.window
+    assert [b.resident for b in window.blocks] == [True, False]
+    assert window.blocks[0].host.device == dist_env.device and window._stage(0).copied is None
+    found = _train(model, STEPS)
+    torch.testing.assert_close(torch.tensor(found), torch.tensor(expected), rtol=1e-6, atol=1e-6)
+    with pytest.raises(QShardError, match="parallel.resident_blocks: only has an effect with parallel.cpu_offload"):
+        resolve(None, [("parallel.resident_blocks", "2")])
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:

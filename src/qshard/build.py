@@ -20,7 +20,7 @@ from qshard.loading.hub import HubModel, has_weights, hub_model, resolve, resolv
 from qshard.models import SwapReport
 from qshard.parallel.compile import decide_compile
 from qshard.parallel.distributed import DistEnv, from_rank0
-from qshard.parallel.fsdp import parallelize
+from qshard.parallel.fsdp import parallelize, resident_embedding_and_head
 from qshard.parallel.mesh import build_mesh
 from qshard.precision import precision
 from qshard.random_model import named_config
@@ -204,6 +204,8 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
     # from the device the weights were quantized on. Buffers (rotary frequencies) are computed with, on the GPU.
     with models.allocation_errors(model, cfg, env.device):
         model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else env.device)
+        for module in resident_embedding_and_head(model, cfg.parallel):  # their units do not offload
+            module.to_empty(device=env.device)
     models.restore_buffers(model, buffers, env.device)
     loading.load_weights(model, source, env.device)
     with models.allocation_errors(model, cfg, env.device):

@@ -275,6 +275,10 @@ class ParallelConfig:
     # Run each block's MLP this many tokens at a time, forward and (recomputing each tile) backward, so that
     # its [tokens, intermediate_size] activations exist for one tile only; 0: the whole sequence at once.
     mlp_tile_tokens: int = 0
+    # cpu_offload with quant_sharding dtensor: the quantized storage of the first N blocks stays on the GPU (loaded
+    # there, never copied), the rest in host memory: N blocks' storage more GPU memory, that much less host
+    # memory and host-to-GPU traffic per step.
+    resident_blocks: int = 0
 
 
 @dataclass
@@ -580,6 +584,7 @@ class Config:
             if unmet:
                 raise QShardError(f"parallel.ac_save_projections: has no effect without {unmet[0]}")
         self._validate_mlp_tiles()
+        self._validate_resident_blocks()
         _non_negative("parallel.replicate_degree", p.replicate_degree)
         if p.replicate_degree and p.sharding != "hybrid":
             raise QShardError(
@@ -590,6 +595,13 @@ class Config:
                 f"parallel.replicate_degree: {p.replicate_degree} does not divide the {p.nproc} processes "
                 "(parallel.nproc) into equal shard groups"
             )
+
+    def _validate_resident_blocks(self) -> None:
+        p = self.parallel
+        _non_negative("parallel.resident_blocks", p.resident_blocks)
+        if p.resident_blocks and not (p.cpu_offload and p.quant_sharding == "dtensor"):
+            raise QShardError("parallel.resident_blocks: only has an effect with parallel.cpu_offload true and "
+                              "parallel.quant_sharding dtensor (the storage in host memory a block at a time)")
 
     def _validate_mlp_tiles(self) -> None:
         p = self.parallel

@@ -101,7 +101,7 @@ def storage_in_dtensor_buffers(model: nn.Module, blocks: list[nn.Module], mesh: 
         if isinstance(module, QuantizedLinear):
             shard_as_dtensor_buffers(module, mesh)
     if parallel.cpu_offload:
-        offload_quantized_storage(model, blocks, compute_device(mesh))
+        offload_quantized_storage(model, blocks, compute_device(mesh), parallel.resident_blocks)
 
 
 def traced_blocks(blocks: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig,
@@ -145,19 +145,34 @@ def shard_embedding_and_head(model: nn.Module, mesh: DeviceMesh, parallel: Paral
         return []
     mp, offload = prec.mp_policy(), offload_policy(parallel)
     kept = kept_embedding_and_head(model, mesh.size(), parallel, prec)
+    resident = resident_embedding_and_head(model, parallel)
     # The embedding is needed in its forward only (and in backward only if it trains); the head stays gathered
     # from forward into backward, which begins with it, and the chunked loss reads its weight (train/loss.py).
     for module, reshard in ((embed, True), (head, False)):
         if module not in kept:
-            fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+            fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard,
+                        offload_policy=OffloadPolicy() if module in resident else offload)
     return kept
+
+
+def resident_embedding_and_head(model: nn.Module, parallel: ParallelConfig) -> list[nn.Module]:
+    """Under cpu_offload, an untied embedding or head that trains nothing stays on the GPU: used in place on one
+    device (`kept_embedding_and_head`), else in a unit without offload policy. Offloaded, its whole weight (2 GiB
+    each for a 128k vocabulary at hidden 8,192) would cross PCIe at every gather and take host memory, for no
+    optimizer state to keep off the GPU."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not parallel.cpu_offload or head is None or head.weight is embed.weight:
+        return []
+    return [m for m in (embed, head) if not any(p.requires_grad for p in m.parameters())]
 
 
 def kept_embedding_and_head(model: nn.Module, world_size: int, parallel: ParallelConfig,
                             prec: Precision) -> list[nn.Module]:
-    """Which of an untied embedding and head `shard_embedding_and_head` uses in place (`frozen_uncast`)."""
+    """Which of an untied embedding and head `shard_embedding_and_head` uses in place (`frozen_uncast`): on one
+    device, with or without cpu_offload (which keeps them on the GPU all the same,
+    `resident_embedding_and_head`; in place they are held once, not as a shard and its gathered copy)."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is None or head.weight is embed.weight or not blocks_in_place(world_size, parallel):
+    if head is None or head.weight is embed.weight or world_size != 1:
         return []
     return [m for m in (embed, head) if frozen_uncast(m, prec.mp_policy())]
 

@@ -3,14 +3,16 @@
 Parameters: FSDP2's CPUOffloadPolicy keeps each rank's shards (and their gradients) on the CPU, copies a
 block's shards to the GPU for its all-gather, and the optimizer then steps on the CPU. The model is still
 materialized and loaded on the GPU (each rank's shards, as without offload); FSDP2 moves the shards to
-pinned CPU memory when the first forward initializes it.
+pinned CPU memory when the first forward initializes it. A frozen untied embedding and head are not offloaded
+(parallel/fsdp.py, resident_embedding_and_head).
 
 Quantized storage under `quant_sharding: dtensor`: the quantized codes and scales are outside FSDP2, so its
 policy does not move them; `offload_quantized_storage` does. Each rank's shards live in host memory
 (pinned when CUDA is present) from the start, one flat buffer per transformer block, and are never
 materialized on the GPU as a whole: `StorageWindow` copies one block's buffer to the GPU when the block
 runs and prefetches the next block's on a side stream (see there), then each layer all-gathers its
-shard over the shard group as without offload. The GPU holds at most two blocks' shards at a time.
+shard over the shard group as without offload. The GPU holds at most two blocks' shards at a time, besides
+those of the first `parallel.resident_blocks` blocks, whose buffers live on the GPU and are never copied.
 
 Activations: tensors that autograd saves for backward are copied to pinned CPU memory on a side stream
 while compute goes on, and copied back when backward needs them, into host buffers of a pool reused from
@@ -226,13 +228,17 @@ def _views(flat: torch.Tensor, layout: Layout) -> list[tuple[torch.Tensor, ...]]
 class _BlockStorage:
     """The local shards of one block's quantized layers, as views of one flat host buffer.
 
-    One buffer per block, not one tensor per shard: the block then reaches the GPU in a single copy, and
-    torch's pinned-memory allocator, which rounds each allocation up to a power of two, rounds once per
-    block instead of once per shard (up to 2x each)."""
+    One buffer per block, not one tensor per shard: the block then reaches the GPU in a single copy. The buffer
+    is page-locked at its exact size (`_host_bytes`), not taken from torch's pinned-memory allocator, which
+    rounds each allocation up to a power of two: a 70B block's 0.45 GiB would take 0.5 GiB, 4 GiB over the
+    80 blocks."""
 
-    def __init__(self, layout: Layout, nbytes: int, pin: bool) -> None:
+    def __init__(self, layout: Layout, nbytes: int, pin: bool, resident: torch.device | None = None) -> None:
         self.layout = layout
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        # A resident block (parallel.resident_blocks) keeps its buffer on the compute device: no copy, ever.
+        self.resident = resident is not None
+        self.host = torch.empty(nbytes, dtype=torch.uint8, device=resident) if self.resident else \
+            _host_bytes(nbytes, pin)
         self.host_views = _views(self.host, layout)
 
 
@@ -298,7 +304,7 @@ class StorageWindow:
 
     def _stage(self, block: int) -> _Staged:
         storage = self.blocks[block]
-        if self.stream is None:  # the compute device is the host: the shards are used where they are
+        if self.stream is None or storage.resident:  # already on the compute device: used where they are
             return _Staged(storage.host, storage.host_views, None)
         with torch.cuda.stream(self.stream):
             flat = torch.empty(storage.host.shape, dtype=torch.uint8, device=self.device)
@@ -342,11 +348,13 @@ class OffloadedStorage:
         )
 
 
-def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device: torch.device) -> StorageWindow | None:
+def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device: torch.device,
+                              resident: int = 0) -> StorageWindow | None:
     """Move every quantized layer's DTensor-buffer shards (still on meta) into host memory, one flat buffer
     per block, and make the layer fetch them through a `StorageWindow`. The shards become plain attributes
     of the layer, outside its buffers: `model.to_empty(device=...)` then leaves them where they are, so the
-    quantized model is never materialized on the GPU, and loading writes each shard straight to host memory."""
+    quantized model is never materialized on the GPU, and loading writes each shard straight to host memory.
+    The first `resident` blocks' buffers are on `device` instead (parallel.resident_blocks)."""
     in_blocks = [[m for m in block.modules() if isinstance(m, QuantizedLinear)] for block in blocks]
     seen = {id(m) for layers in in_blocks for m in layers}
     # Quantized layers outside the blocks (none in the models qshard builds today) form units of their own.
@@ -371,7 +379,8 @@ def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device:
             layout.append(entries)
             specs.append((sharded[0].device_mesh, tuple(sharded[0].placements),
                           [t.shape for t in sharded], [t.stride() for t in sharded]))
-        window.blocks.append(_BlockStorage(layout, nbytes, pin=device.type == "cuda"))
+        window.blocks.append(_BlockStorage(layout, nbytes, pin=device.type == "cuda",
+                                           resident=device if block < resident else None))
         for index, (layer, spec) in enumerate(zip(layers, specs)):
             for name, host in zip(layer.STORAGE, window.blocks[block].host_views[index]):
                 del layer._buffers[name]

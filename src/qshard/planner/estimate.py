@@ -100,7 +100,7 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
     world = machine.world_size
     mesh = plan_mesh(cfg, world)
     p = cfg.parallel
-    key = (p.cpu_offload, p.sharding, p.quant_sharding, p.replicate_degree)
+    key = (p.cpu_offload, p.sharding, p.quant_sharding, p.replicate_degree, p.resident_blocks)
     cache = {} if cache is None else cache
     if key not in cache:
         cache[key] = [tensor_layout(model, cfg, world, rank) for rank in range(mesh.shard)]
@@ -361,7 +361,7 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
     sizes = state_sizes(plans)
     pinned = sum(_pinned(p.stored_bytes) for p in plans if p.on_host and p.holder == "fsdp")
     if cfg.parallel.quant_sharding == "dtensor" and cfg.parallel.cpu_offload:
-        pinned += sum(_pinned(b) for b in storage_block_bytes(plans, model))
+        pinned += sum(storage_block_bytes(plans, model))  # page-locked at their exact size (parallel/offload.py)
     trained = [p for p in plans if p.trainable and p.on_host]
     offloaded_acts = 0.0
     if cfg.parallel.activation_offload:

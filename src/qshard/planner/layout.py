@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from qshard.build import Skeleton
 from qshard.config import Config
-from qshard.parallel.fsdp import in_place_blocks, kept_embedding_and_head
+from qshard.parallel.fsdp import in_place_blocks, kept_embedding_and_head, resident_embedding_and_head
 from qshard.parallel.mesh import replicate_degree
 from qshard.parallel.offload import _ALIGN
 from qshard.precision import precision
@@ -96,6 +96,8 @@ def tensor_layout(model: Skeleton, cfg: Config, world_size: int, rank: int = 0) 
     in_place = {id(p) for b in in_place_blocks(model.model, model.blocks, world_size, cfg) for p in b.parameters()}
     kept = kept_embedding_and_head(model.model, world_size, cfg.parallel, precision(cfg))
     in_place |= {id(p) for m in kept for p in m.parameters()}
+    resident = {id(p) for m in resident_embedding_and_head(model.model, cfg.parallel) for p in m.parameters()}
+    resident |= {i for b in model.blocks[:cfg.parallel.resident_blocks] for i in _storage_ids(b)}
     storage = _storage_ids(model.model) if cfg.parallel.quant_sharding == "dtensor" else set()
     parts = _parts(model)
     plans = []
@@ -109,7 +111,7 @@ def tensor_layout(model: Skeleton, cfg: Config, world_size: int, rank: int = 0) 
             stored = chunk if holder == "fsdp" else local
         plans.append(TensorPlan(name, parts.get(id(param), "frozen"), holder, param.dtype, tuple(param.shape),
                                 local, stored, param.requires_grad,
-                                cfg.parallel.cpu_offload and holder != "in_place"))
+                                cfg.parallel.cpu_offload and holder != "in_place" and id(param) not in resident))
     return plans
 
 
@@ -145,7 +147,9 @@ def storage_block_bytes(plans: list[TensorPlan], model: Skeleton) -> list[int]:
             if not isinstance(module, QuantizedLinear):
                 continue
             for name in module.STORAGE:
-                nbytes = -(-nbytes // _ALIGN) * _ALIGN + local[f"{names[id(module)]}.{name}"].local_bytes
+                plan = local[f"{names[id(module)]}.{name}"]
+                if plan.on_host:  # not a resident block's (parallel.resident_blocks)
+                    nbytes = -(-nbytes // _ALIGN) * _ALIGN + plan.local_bytes
         if nbytes:
             sizes.append(nbytes)
     return sizes

@@ -34,11 +34,13 @@ def build_optimizer(
     if fast:
         groups += [g for g in _decay_groups([p for p in trainable if id(p) in fast], cfg.lr * plus_lr_ratio,
                                             cfg.weight_decay) if g["params"]]
-    # The fused kernel is one launch per step on CUDA; on CPU the foreach path is the fast one. Under fp16
-    # loss scaling the fused kernel is not usable: ShardedGradScaler hands it a 1-element overflow flag, which
-    # fused AdamW subtracts in place from its 0-d step counters and fails ("output with shape [] doesn't match
-    # the broadcast shape [1]"); the foreach path takes no flag (the scaler skips the step itself).
-    fused = device.type == "cuda" and not loss_scaling
+    # The fused kernel: one launch per step on CUDA; on the host (CPU runs, and AdamW under cpu_offload) one
+    # pass over each parameter's state, where the foreach path makes several and allocates a temporary the size
+    # of the second moments (host memory at the step's peak). Under fp16 loss scaling the fused kernel is not
+    # usable: ShardedGradScaler hands it a 1-element overflow flag, which fused AdamW subtracts in place from its
+    # 0-d step counters and fails ("output with shape [] doesn't match the broadcast shape [1]"); the foreach
+    # path takes no flag (the scaler skips the step itself).
+    fused = not loss_scaling
     impl = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
 
