@@ -22,13 +22,23 @@ def _plan(capsys, *args: str) -> dict:
 H200_8B = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "64"]
 
 
-# (options, measured peak GiB, measured tok/s or None): Llama-3-8B shape, LoRA r=64 on every block linear.
+# (options, measured peak GiB, measured tok/s or None): Llama-3-8B shape, LoRA r=64 on every block linear. The
+# first rows are the grid of benchmarks/plan_vs_measured.py (2026-12-02, docs/benchmarks.md), the others earlier
+# runs of docs/benchmarks.md.
 MEASURED = [
-    (["--seq", "2048", "--parallel.compile", "true"], 9.12, 9900),
-    (["--seq", "2048", "--parallel.compile", "false"], 10.59, 4544),
+    (["--seq", "2048", "--parallel.compile", "true"], 9.20, 10198),
+    (["--seq", "2048", "--batch-size", "2", "--parallel.compile", "false"], 9.55, 7137),
+    (["--seq", "8192", "--parallel.compile", "true"], 12.31, 10138),
+    (["--seq", "8192", "--batch-size", "2", "--parallel.compile", "false"], 15.43, 8012),
+    (["--seq", "32768", "--parallel.compile", "true"], 25.66, 6790),
+    (["--seq", "32768", "--parallel.compile", "true", "--parallel.activation_offload", "true"], 18.52, 6589),
+    (["--seq", "8192", "--parallel.compile", "true", "--parallel.ac_every", "2"], 30.59, 11469),
+    (["--seq", "2048", "--parallel.compile", "true", "--train-type", "lora"], 18.62, 5065),
+    (["--seq", "8192", "--batch-size", "2", "--parallel.compile", "true", "--train-type", "lora"], 24.35, 9608),
+    (["--seq", "2048", "--parallel.compile", "true", "--train-type", "full", "--train.precision", "bf16"], 64.79,
+     5309),
     (["--seq", "2048", "--parallel.compile", "true", "--parallel.activation_offload", "true"], 9.11, 8602),
     (["--seq", "2048", "--parallel.compile", "true", "--parallel.ac_save_projections", "true"], 10.19, 10696),
-    (["--seq", "8192", "--parallel.compile", "true", "--train.loss_chunk_tokens", "1024"], 12.31, 9905),
     (["--seq", "262144", "--parallel.activation_offload", "true"], 87.6, None),
     (["--seq", "65536"], 43.5, 4621),
     (["--seq", "65536", "--parallel.activation_offload", "true"], 28.6, None),

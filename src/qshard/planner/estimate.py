@@ -21,12 +21,9 @@ from qshard.quant import QuantizedLinear
 
 GIB = 2**30
 # The transient memory of backward through one recomputed block, as a multiple of what its forward saves
-# (gradients of its intermediates beside the recomputed tensors).
-WORKING_SET_FACTOR = 1.6
-# Quantized blocks used in place (one GPU) peak higher uncompiled than compiled by about this many blocks'
-# dequantized weights (8B 2k on an H200: 10.59 GiB eager, 9.12 compiled); blocks in FSDP2 units show no such
-# gap (70B under cpu_offload, eager: 7.04 GiB, as predicted without it). One measurement: the least sure term.
-EAGER_BLOCKS = 3.5
+# (gradients of its intermediates beside the recomputed tensors): higher where the checkpoint is traced into a
+# compiled graph, whose backward holds more of the recomputed tensors at once than hooks recomputing them eagerly.
+WORKING_SET_FACTOR = {"traced": 1.6, "hooks": 1.35}
 # Checkpoints still on the GPU under activation offload: the block in use and the one being copied.
 OFFLOAD_KEPT_BLOCKS = 2
 # What the caching allocator holds beyond the live tensors at the peak (rounding, blocks not yet reused).
@@ -183,9 +180,6 @@ def _gpu_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Bloc
     }
     parts["gathered blocks"] = _gathered(model, cfg, plans, shapes)
     parts["dequantized weight"] = _largest_dequantized(model, shapes)
-    in_place = any(p.holder == "in_place" and p.part == "quantized" for p in plans)
-    eager = in_place and not cfg.parallel.compile
-    parts["eager transients"] = EAGER_BLOCKS * _block_dequantized(model, shapes) if eager else 0.0
     dynamic = _activation_phases(model, cfg, plans, acts, shapes)
     parts.update(dynamic)
     parts["communication buffers"] = _comm_buffers(model, cfg, plans)
@@ -224,12 +218,6 @@ def _gathered_itemsize(plan: TensorPlan, cfg: Config, shapes: Shapes) -> int:
     return shapes.compute
 
 
-def _block_dequantized(model: Skeleton, shapes: Shapes) -> float:
-    """One block's quantized weights, dequantized to the compute dtype."""
-    return max((sum(m.in_features * m.out_features for m in b.modules() if isinstance(m, QuantizedLinear))
-                for b in model.blocks), default=0) * shapes.compute
-
-
 def _largest_dequantized(model: Skeleton, shapes: Shapes) -> float:
     sizes = [m.in_features * m.out_features for m in model.model.modules() if isinstance(m, QuantizedLinear)]
     return max(sizes, default=0) * shapes.compute
@@ -251,9 +239,10 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     loss = _loss_chunk(cfg, shapes) + outside
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
     projections = _kept_projections(model, cfg, acts, shapes) / shapes.blocks  # per block, on average
+    factor = WORKING_SET_FACTOR["traced" if _traced(cfg, shapes.world) else "hooks"]
     phases = [(sum(kept) + projections * shapes.blocks, 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
     for i in reversed(range(shapes.blocks)):
-        working = _block_working_set(cfg, acts, shapes, i) * WORKING_SET_FACTOR + outside
+        working = _block_working_set(cfg, acts, shapes, i) * factor + outside
         phases.append((sum(kept[:i]) + projections * i, working, 0.0, sum(grads[i:])))
     phases.append((0.0, 0.0, 0.0, sum(grads)))
     phases = [(*phase, 0.0) for phase in phases]

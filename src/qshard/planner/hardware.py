@@ -38,9 +38,17 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
 MATMUL_EFFICIENCY = 0.71
 ATTENTION_EFFICIENCY = 0.53
 COPY_EFFICIENCY = 0.8
-# Host work per block per step that bounds the step when kernels are small (eager: one launch per op), seconds;
-# and the fixed cost of a step (loss, clipping, optimizer launch, logging), seconds.
-HOST_PER_BLOCK_S = {True: 0.002, False: 0.0132}  # compiled, eager
+# Host work per block per step, seconds: compiled blocks used in place (one GPU, quantized base) run a graph
+# each way; blocks in FSDP2 units (a bf16 base, several GPUs, offload) add their units' hooks and a hooks-based
+# checkpoint, and eager blocks launch every op. At 2,048 tokens an 8B LoRA or full step is bound by it.
+HOST_PER_BLOCK_S = {"graph": 0.002, "hooks": 0.0103}
+# The share of the smaller of host and GPU time that still shows in a step: kernels launched while the GPU has
+# run dry (a block's start, the waits between forward and backward).
+HOST_EXPOSED = 0.21
+# Uncompiled blocks run norms, rotary, activations and LoRA's arithmetic as separate kernels, each reading and
+# writing the activations: GPU time per token this much above a compiled block's.
+EAGER_GPU_FACTOR = 1.4
+# The fixed cost of a step (loss, clipping, optimizer launch, logging), seconds.
 STEP_FIXED_S = 0.03
 # AdamW on the host (cpu_offload): parameters stepped per second by torch's fused implementation (train/optim.py).
 HOST_ADAM_PARAMS_PER_S = 2.0e9

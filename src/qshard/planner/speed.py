@@ -61,8 +61,9 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
         attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
     dequant = quantized * (2 + ckpt + extra) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
-    gpu = compute + dequant
-    host = shapes.blocks * hardware.HOST_PER_BLOCK_S[p.compile]
+    gpu = (compute + dequant) * (1.0 if p.compile else hardware.EAGER_GPU_FACTOR)
+    graphs = p.compile and any(x.holder == "in_place" and x.part == "quantized" for x in plans)
+    host = shapes.blocks * hardware.HOST_PER_BLOCK_S["graph" if graphs else "hooks"]
     link = _link_seconds(cfg, plans, machine)
     pcie = _pcie_seconds(cfg, plans, machine)
     # Activation offload's copies are waited for where the tensors are packed and unpacked, so they add to the
@@ -71,7 +72,7 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     busy = max(gpu, host, link, pcie)
     times = {
         "compute": gpu * micro,
-        "host-bound (kernel launches)": (max(host, gpu) - gpu) * micro,
+        "host-bound (kernel launches)": (max(host, gpu) - gpu + hardware.HOST_EXPOSED * min(host, gpu)) * micro,
         "exposed communication (links, PCIe)": (max(link, pcie, gpu, host) - max(gpu, host)) * micro,
         "activation offload copies": activations * micro,
         "fixed per step": hardware.STEP_FIXED_S,
