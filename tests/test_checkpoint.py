@@ -21,6 +21,7 @@ from qshard.checkpoint import STATE_FILE, complete_checkpoints
 from qshard.cli import main as cli_main
 from qshard.config import Config
 from qshard.errors import QShardError
+from qshard.train import optim
 from qshard.train.run import train
 
 DEMO = resources.files("qshard") / "demo_data"
@@ -156,6 +157,28 @@ def test_resume_at_another_world_size(uninterrupted, tiny_models, tmp_path, caps
     assert proc.returncode == 0, proc.stderr
     assert "at step 18" in proc.stderr
     torch.testing.assert_close(torch.tensor(_losses(again)), torch.tensor(_losses(two)[18:]), rtol=1e-5, atol=1e-5)
+
+
+def test_resume_keeps_this_runs_optimizer_implementation(uninterrupted, tiny_models, tmp_path, capsys, monkeypatch):
+    """A checkpoint written by fused AdamW, resumed by a run whose build_optimizer chooses foreach (what it chooses
+    under fp16 loss scaling): the resumed run steps with foreach, its hyperparameters as saved, and trains on as the
+    uninterrupted run did."""
+    built = []
+
+    def foreach_optimizer(model, cfg, device, loss_scaling, *rest):
+        built.append(optim.build_optimizer(model, cfg, device, True, *rest))
+        return built[-1]
+
+    saved = uninterrupted / "checkpoints" / "step-00000018"
+    monkeypatch.setattr("qshard.train.loop.build_optimizer", foreach_optimizer)
+    resumed = _run_here(_args(tiny_models("llama"), tmp_path / "run", "--resume", str(saved)), capsys)
+    assert resumed.returncode == 0, resumed.stderr
+    [optimizer] = built
+    assert all(g["foreach"] and not g["fused"] for g in optimizer.param_groups)
+    # What wrote the checkpoint: the uninterrupted fp32 run's optimizer, fused.
+    assert optim.build_optimizer(torch.nn.Linear(2, 2), Config().optim, torch.device("cpu")).param_groups[0]["fused"]
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "run")), torch.tensor(_losses(uninterrupted)[18:]),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_exported_adapter_and_merged_model(uninterrupted, tiny_models, tmp_path, capsys):

@@ -257,6 +257,16 @@ def test_invalid_config_values(inputs, tmp_path, capsys):
     assert_one_error(code, err, "config.json", "not a multiple of the number of attention heads")
 
 
+def test_more_resident_blocks_than_the_model_has(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = run_in_process(train_args(inputs / "model", inputs / "data.jsonl", out, "--parallel.cpu_offload",
+                                          "true", "--parallel.quant_sharding", "dtensor",
+                                          "--parallel.resident_blocks", "3"), capsys)
+    assert code == 2
+    assert_one_error(code, err, "parallel.resident_blocks: 3", "the model's 2 blocks (LlamaDecoderLayer)")
+    assert_no_run(out)
+
+
 def test_invalid_config_values_model_check(inputs, tmp_path):
     """The same problem as above, reported by hf_config.load_hf_config once it runs first."""
     from qshard.errors import QShardError

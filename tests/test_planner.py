@@ -266,6 +266,18 @@ def test_fit_keeps_the_runs_hybrid_sharding_and_offers_no_compile_the_run_cannot
     assert any("--parallel.sharding" not in f for f in flags), flags  # the run's own hybrid sharding is kept
 
 
+def test_fit_with_resident_blocks_offers_settings_without_cpu_offload(tiny_models, capsys):
+    """A run with parallel.resident_blocks: every setting that turned cpu_offload off kept the resident blocks,
+    which config.py refuses without offload, so --fit silently dropped them all."""
+    found = _plan(capsys, "--model", str(tiny_models("llama")), "--gpu-kind", "h200", "--seq", "64", "--fit",
+                  "--parallel.cpu_offload", "true", "--parallel.quant_sharding", "dtensor",
+                  "--parallel.resident_blocks", "1")
+    flags = [" ".join(c["overrides"]) for c in found["fit"]]
+    off = [f for f in flags if "--parallel.cpu_offload false" in f]
+    assert off and all("--parallel.resident_blocks 0" in f for f in off), flags
+    assert not any("--parallel.resident_blocks" in f for f in flags if f not in off), flags
+
+
 def test_fit_offers_tiled_mlps_only_to_blocks_that_take_them(tiny_models):
     from qshard.config import resolve
     from qshard.parallel.tiling import tileable

@@ -141,11 +141,19 @@ def skeleton(cfg: Config, model_dir: str | Path | None, world_size: int, device:
     base_params = sum(p.numel() for p in model.parameters())
     vocab.VocabResize.attach(model, stored_vocab)  # the loader grows these tensors (loading/plan.py)
     blocks = models.find_blocks(model, cfg.model.block_class)
+    _check_resident_blocks(cfg, blocks)
     report = models.prepare_modules(model, blocks, cfg)
     vocab.train_in_full(model, blocks, cfg)
     vocab.check_new_tokens_trained(model, cfg)
     models.check_adapter_memory(model, cfg, world_size, models.machine_memory(device))
     return Skeleton(model, blocks, report, base_params)
+
+
+def _check_resident_blocks(cfg: Config, blocks: list[nn.Module]) -> None:
+    """parallel.resident_blocks counts the model's blocks (parallel/offload.py, storage_groups): at most all."""
+    if cfg.parallel.resident_blocks > len(blocks):
+        raise QShardError(f"parallel.resident_blocks: {cfg.parallel.resident_blocks} is more than the model's "
+                          f"{len(blocks)} blocks ({type(blocks[0]).__name__})")
 
 
 def planned_skeleton(cfg: Config, env: DistEnv, model_dir: str | Path | None, world_size: int,
@@ -193,7 +201,8 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
         log.warning("%d block linear(s) kept in %s: in_features not a multiple of quant.blocksize (%s, ...)",
                     len(report.kept), precision(cfg).compute, report.kept[0])
     mesh = build_mesh(cfg, env)
-    how = parallelize(model, blocks, mesh, cfg)
+    with models.allocation_errors(model, cfg, env.device):  # resident blocks' storage (parallel.resident_blocks)
+        how = parallelize(model, blocks, mesh, cfg)
     if report.quantized and env.is_main:
         where = {"fsdp": "sharded by FSDP2", "dtensor": "sharded by DTensor buffers", "in_place": "used in place "
                  "(one device: the blocks that hold it have no FSDP2 units)"}[how]

@@ -52,6 +52,7 @@ from qshard.errors import QShardError
 from qshard.loading import Checkpoint
 from qshard.loading.hub import hub_model
 from qshard.parallel.distributed import DistEnv, from_rank0
+from qshard.train.optim import implementation
 
 log = logging.getLogger("qshard")
 
@@ -348,8 +349,14 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) 
     if optimizer is None:
         set_model_state_dict(model, app_state["model"], options=options)
     else:
+        # The checkpoint's hyperparameters (lr, betas, ...) are kept, its implementation is not: this run's is set
+        # in the groups before they are loaded, since torch places each state's step by its group's flags.
+        chosen = implementation(optimizer)
+        for group, flags in zip(app_state["optim"]["param_groups"], chosen):
+            group.update(flags)
         set_state_dict(model, optimizer, model_state_dict=app_state["model"], optim_state_dict=app_state["optim"],
                        options=options)
+        assert implementation(optimizer) == chosen
 
 
 def _verify_contents(path: Path, recorded: dict[str, dict] | None) -> None:

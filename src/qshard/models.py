@@ -299,6 +299,8 @@ def allocation_errors(model: nn.Module, cfg: Config, device: torch.device) -> It
         adapters = adapter_bytes(model)
         what = f"lora.rank {cfg.lora.rank}: " if adapters else ""
         share = f"; the adapters alone take {adapters:,} bytes, {TRAINED_COPIES}x that once trained" if adapters else ""
+        resident = cfg.parallel.resident_blocks
+        share += f"; parallel.resident_blocks {resident} keeps that many blocks' storage there" if resident else ""
         raise QShardError(f"{what}cannot allocate the model on {device} ({asked}){share}") from None
 
 

@@ -348,6 +348,19 @@ class OffloadedStorage:
         )
 
 
+def storage_groups(model: nn.Module, blocks: list[nn.Module], resident: int = 0
+                   ) -> list[tuple[list[QuantizedLinear], bool]]:
+    """The quantized layers of each flat storage buffer, with whether the buffer is resident: one buffer per
+    block that has any, resident for the first `resident` of `blocks` (parallel.resident_blocks counts blocks,
+    as the planner does); then one per quantized layer outside the blocks, never resident."""
+    in_blocks = [([m for m in block.modules() if isinstance(m, QuantizedLinear)], i < resident)
+                 for i, block in enumerate(blocks)]
+    seen = {id(m) for layers, _ in in_blocks for m in layers}
+    # Quantized layers outside the blocks (none in the models qshard builds today) form units of their own.
+    rest = [([m], False) for m in model.modules() if isinstance(m, QuantizedLinear) and id(m) not in seen]
+    return [(layers, on_device) for layers, on_device in in_blocks + rest if layers]
+
+
 def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device: torch.device,
                               resident: int = 0) -> StorageWindow | None:
     """Move every quantized layer's DTensor-buffer shards (still on meta) into host memory, one flat buffer
@@ -355,15 +368,11 @@ def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device:
     of the layer, outside its buffers: `model.to_empty(device=...)` then leaves them where they are, so the
     quantized model is never materialized on the GPU, and loading writes each shard straight to host memory.
     The first `resident` blocks' buffers are on `device` instead (parallel.resident_blocks)."""
-    in_blocks = [[m for m in block.modules() if isinstance(m, QuantizedLinear)] for block in blocks]
-    seen = {id(m) for layers in in_blocks for m in layers}
-    # Quantized layers outside the blocks (none in the models qshard builds today) form units of their own.
-    rest = [[m] for m in model.modules() if isinstance(m, QuantizedLinear) and id(m) not in seen]
-    groups = [layers for layers in in_blocks + rest if layers]
+    groups = storage_groups(model, blocks, resident)
     if not groups:
         return None
     window = StorageWindow(device)
-    for block, layers in enumerate(groups):
+    for block, (layers, on_device) in enumerate(groups):
         layout: Layout = []
         specs = []
         nbytes = 0
@@ -380,7 +389,7 @@ def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device:
             specs.append((sharded[0].device_mesh, tuple(sharded[0].placements),
                           [t.shape for t in sharded], [t.stride() for t in sharded]))
         window.blocks.append(_BlockStorage(layout, nbytes, pin=device.type == "cuda",
-                                           resident=device if block < resident else None))
+                                           resident=device if on_device else None))
         for index, (layer, spec) in enumerate(zip(layers, specs)):
             for name, host in zip(layer.STORAGE, window.blocks[block].host_views[index]):
                 del layer._buffers[name]

@@ -19,7 +19,7 @@ from qshard.build import Skeleton
 from qshard.config import Config
 from qshard.parallel.fsdp import in_place_blocks, kept_embedding_and_head, resident_embedding_and_head
 from qshard.parallel.mesh import replicate_degree
-from qshard.parallel.offload import _ALIGN
+from qshard.parallel.offload import _ALIGN, storage_groups
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
 
@@ -97,7 +97,8 @@ def tensor_layout(model: Skeleton, cfg: Config, world_size: int, rank: int = 0) 
     kept = kept_embedding_and_head(model.model, world_size, cfg.parallel, precision(cfg))
     in_place |= {id(p) for m in kept for p in m.parameters()}
     resident = {id(p) for m in resident_embedding_and_head(model.model, cfg.parallel) for p in m.parameters()}
-    resident |= {i for b in model.blocks[:cfg.parallel.resident_blocks] for i in _storage_ids(b)}
+    groups = storage_groups(model.model, model.blocks, cfg.parallel.resident_blocks)  # as parallel/offload.py
+    resident |= {id(getattr(m, name)) for layers, kept in groups if kept for m in layers for name in m.STORAGE}
     storage = _storage_ids(model.model) if cfg.parallel.quant_sharding == "dtensor" else set()
     parts = _parts(model)
     plans = []
@@ -141,11 +142,9 @@ def storage_block_bytes(plans: list[TensorPlan], model: Skeleton) -> list[int]:
     local = {p.name: p for p in plans}
     names = {id(m): n for n, m in model.model.named_modules()}
     sizes = []
-    for block in model.blocks:
+    for layers, _ in storage_groups(model.model, model.blocks):
         nbytes = 0
-        for module in block.modules():
-            if not isinstance(module, QuantizedLinear):
-                continue
+        for module in layers:
             for name in module.STORAGE:
                 plan = local[f"{names[id(module)]}.{name}"]
                 if plan.on_host:  # not a resident block's (parallel.resident_blocks)

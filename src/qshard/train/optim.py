@@ -12,6 +12,10 @@ from torch.optim.lr_scheduler import LambdaLR
 from qshard.adapters import DoRALinear, LoRALinear
 from qshard.config import OptimConfig
 
+# How a step runs (which kernels), as torch.optim keeps it in every param group: this run's choice (below), never
+# a checkpoint's, which a run that chose otherwise (another precision, another qshard) may have written.
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
 
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device: torch.device, loss_scaling: bool = False,
@@ -43,6 +47,11 @@ def build_optimizer(
     fused = not loss_scaling
     impl = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+
+
+def implementation(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's IMPLEMENTATION_FLAGS, as the optimizer holds them."""
+    return [{k: group[k] for k in IMPLEMENTATION_FLAGS if k in group} for group in optimizer.param_groups]
 
 
 def _decay_groups(params: list[torch.Tensor], lr: float, weight_decay: float) -> list[dict]:
