@@ -106,6 +106,31 @@ def test_compiled_tiled_mlp_equals_eager_plain(dist_env, tiny_models):
     assert graphs >= 3  # the block's graphs before and after the MLP, and one tile's
 
 
+def test_compiled_tiles_stay_eager_where_their_storage_is_offloaded(dist_env, tiny_models):
+    """parallel.cpu_offload (quant_sharding dtensor) with one resident block: the offloaded block's tiles run
+    its MLP eagerly, fetching the storage through the offload window once per block and direction (a compiled
+    tile would copy it from host memory in every tile's graph); the resident block's tiles run the compiled
+    graph. Loss and gradients are the eager untiled blocks'."""
+    import torch._dynamo
+
+    ids = torch.randint(3, 400, (1, 37), generator=torch.Generator().manual_seed(0))
+    options = (("train.train_type", "qlora"), ("parallel.quant_sharding", "dtensor"),
+               ("parallel.cpu_offload", "true"), ("parallel.resident_blocks", "1"))
+    compiled = (("parallel.compile", "true"), ("parallel.compile_backend", "aot_eager"))
+    model = _build(tiny_models("llama"), dist_env, TILE, *options, *compiled)
+    runs = [layer.mlp.forward.run for layer in model.model.layers]
+    assert [layer.mlp.down_proj.base.offloaded.resident for layer in model.model.layers] == [True, False]
+    assert isinstance(runs[0], functools.partial)  # the compiled tile
+    assert getattr(runs[1], "__func__", None) is type(model.model.layers[1].mlp).forward  # the MLP's own forward
+    torch._dynamo.reset()
+    try:
+        result = _compare(tiny_models("llama"), dist_env, (*options, *compiled), ids, plain_options=options)
+    finally:
+        torch._dynamo.reset()
+    assert result["error"] < 1e-5
+    assert result["forwards per tile"] == 2
+
+
 
 def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

@@ -274,7 +274,9 @@ class StorageWindow:
     the side stream all the same.
 
     This runs in eager code only: a compiled block copies its layers' shards inside its graph (see
-    `OffloadedStorage.full`), with no streams or Python state for the compiler to trace."""
+    `OffloadedStorage.full`), with no streams or Python state for the compiler to trace. A tiled MLP's tiles
+    (parallel/tiling.py) run eagerly where their storage is offloaded, so that they share this window's one copy
+    per block and direction rather than copy it in every tile's graph."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -316,17 +318,18 @@ class StorageWindow:
 
 
 class OffloadedStorage:
-    """A quantized layer's storage kept in host memory: its `storage()` asks this for the full tensors."""
+    """A quantized layer's storage kept in host memory: its `storage()` asks this for the full tensors.
+
+    `host` holds this rank's shards in host memory (where loading writes them) as tensors, set once here: a
+    compiled block reads them as graph inputs. Reaching them through the block's number instead would make the
+    compiler guard on that number, and compile one graph per block rather than one per block class."""
 
     def __init__(self, window: StorageWindow, block: int, index: int, mesh: DeviceMesh,
                  placements: tuple[Placement, ...], shapes: list[torch.Size], strides: list[tuple[int, ...]]) -> None:
         self.window, self.block, self.index = window, block, index
+        self.host: tuple[torch.Tensor, ...] = window.blocks[block].host_views[index]
+        self.resident = window.blocks[block].resident  # on the compute device: used with no copy
         self.mesh, self.placements, self.shapes, self.strides = mesh, placements, shapes, strides
-
-    @property
-    def host(self) -> tuple[torch.Tensor, ...]:
-        """This rank's shards in host memory (where loading writes them)."""
-        return self.window.blocks[self.block].host_views[self.index]
 
     def local_rows(self, full: torch.Tensor) -> torch.Tensor:
         """The rows of a full tensor (weight or storage) that this rank's shard holds."""

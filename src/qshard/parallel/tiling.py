@@ -15,8 +15,9 @@ a block checkpoint's recompute, which stops once it has recomputed the last tens
 early stop), stops there: it reruns attention, not the MLP. (A reentrant checkpoint reruns it all.)
 
 Under parallel.compile the tiling loop stays eager (the block's compiled graph breaks around it), while one
-tile's MLP is a compiled graph of its own, reused for every tile and block (`compile_tiles`). Each tile
-dequantizes the quantized base weights again.
+tile's MLP is a compiled graph of its own, reused for every tile and block (`compile_tiles`), except where the
+MLP's quantized storage is in host memory (parallel.cpu_offload). Each tile dequantizes the quantized base
+weights again.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from qshard.errors import QShardError
-from qshard.quant import QuantizedExperts
+from qshard.quant import QuantizedExperts, QuantizedLinear
 
 
 class _Tiled:
@@ -184,15 +185,24 @@ def compile_tiles(blocks: list[nn.Module], backend: str, options: dict | None) -
     """Compile one tile's MLP, once per MLP class (its parameters are graph inputs, so every block's MLP and
     every tile reuse the graph); the tiling around it stays eager. MLPs that draw dropout masks stay eager:
     the tiles' backward redraws each mask from the random state the forward began with, which only eager ops
-    are known to draw alike."""
+    are known to draw alike. So do MLPs whose quantized storage is in host memory (`storage_offloaded`)."""
     compiled = {}
     for block in blocks:
         tiled = getattr(getattr(block, "mlp", None), "forward", None)
-        if isinstance(tiled, _Tiled) and not tiled.rng:
+        if isinstance(tiled, _Tiled) and not tiled.rng and not storage_offloaded(tiled.mlp):
             cls = type(tiled.mlp)
             if cls not in compiled:
                 compiled[cls] = torch.compile(cls.forward, backend=backend, options=options)
             tiled.run = functools.partial(compiled[cls], tiled.mlp)
+
+
+def storage_offloaded(mlp: nn.Module) -> bool:
+    """Whether some quantized layer of `mlp` keeps its storage in host memory (parallel.cpu_offload, outside the
+    resident blocks). A compiled graph would copy that storage to the device in every call, once per tile; run
+    eagerly, the tiles fetch it through the offload window, which copies a block's storage once per direction
+    (parallel/offload.py, StorageWindow)."""
+    return any(isinstance(m, QuantizedLinear) and m.offloaded is not None and not m.offloaded.resident
+               for m in mlp.modules())
 
 
 def tileable(blocks: list[nn.Module]) -> bool:
