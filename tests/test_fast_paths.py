@@ -4,6 +4,7 @@ compiled blocks, the chunked cross-entropy, and compiled blocks themselves."""
 from __future__ import annotations
 
 import json
+import logging
 from importlib import resources
 
 import pytest
@@ -268,3 +269,53 @@ def test_trainer_batches_ask_the_device_nothing(dist_env, tiny_models):
         masked = dict(full, attention_mask=torch.ones_like(full["input_ids"]))
         del masked["loss_positions"]  # derived on the device instead
         torch.testing.assert_close(trainer.loss_sum(model, full), trainer.loss_sum(model, masked), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16_mixed"])
+def test_lora_blocks_on_one_device_are_used_in_place_and_train_as_in_units(tmp_path, tiny_models, monkeypatch,
+                                                                            precision):
+    """On one device a block that trains only LoRA adapters over a frozen base in the compute dtype has no FSDP2
+    unit (plain parameters, no one-rank gathers) and, compiled, is checkpointed inside its graph, as a QLoRA
+    block is; its fp32 adapters cast themselves where used, so it trains to the losses of the earlier path, where
+    each block had a unit (forced here) and a hooks-based checkpoint around its compiled graph."""
+    from conftest import LogLines
+    from torch.distributed.fsdp import FSDPModule
+
+    from qshard.parallel import fsdp
+
+    model_dir = tiny_models("llama")
+
+    def run(name):
+        cfg = _run_config(model_dir, tmp_path / name, compile=True, compile_backend="aot_eager")
+        cfg.train.train_type, cfg.train.precision = "lora", precision
+        try:
+            return train(cfg.validate()).model
+        finally:
+            torch._dynamo.reset()
+
+    lines, logger = LogLines(), logging.getLogger("qshard")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        model = run("in_place")
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert "2 of 2 LoRA/DoRA blocks used in place (one device: no FSDP2 units; the fp32 adapters cast where used), " \
+           "2 checkpointed inside their compiled graphs" in lines.lines, lines.lines
+    assert not any(isinstance(b, FSDPModule) for b in model.model.layers) and isinstance(model, FSDPModule)
+    params = dict(model.model.layers.named_parameters())
+    assert not any(isinstance(p, DTensor) for p in params.values())
+    master = torch.float32
+    assert all(p.dtype == master for n, p in params.items() if "lora_" in n)
+    assert all(p.dtype == (master if precision == "fp32" else torch.bfloat16) and not p.requires_grad
+               for n, p in params.items() if "lora_" not in n)
+
+    monkeypatch.setattr(fsdp, "adapter_block", lambda block, mp: False)
+    units = run("units")
+    assert all(isinstance(b, FSDPModule) for b in units.model.layers)
+    in_place, in_units = _losses(tmp_path / "in_place"), _losses(tmp_path / "units")
+    assert len(in_place) == 3
+    # The same casts in the same places (bf16_mixed too: the unit's bf16 copy of a master is the adapter's own cast).
+    assert in_place == pytest.approx(in_units, rel=1e-6)
