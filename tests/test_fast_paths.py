@@ -4,6 +4,7 @@ compiled blocks, the chunked cross-entropy, and compiled blocks themselves."""
 from __future__ import annotations
 
 import json
+import logging
 from importlib import resources
 
 import pytest
@@ -268,3 +269,58 @@ def test_trainer_batches_ask_the_device_nothing(dist_env, tiny_models):
         masked = dict(full, attention_mask=torch.ones_like(full["input_ids"]))
         del masked["loss_positions"]  # derived on the device instead
         torch.testing.assert_close(trainer.loss_sum(model, full), trainer.loss_sum(model, masked), rtol=1e-6, atol=1e-5)
+
+
+# Compiled DoRA blocks take three times as long to trace: DoRA runs eagerly here.
+@pytest.mark.parametrize("train_type, precision, compiled", [("lora", "bf16_mixed", True), ("dora", "fp32", False)])
+def test_lora_blocks_on_one_device_are_used_in_place_and_train_as_in_units(tmp_path, tiny_models, monkeypatch,
+                                                                            train_type, precision, compiled):
+    """On one device a block that trains only LoRA (DoRA) adapters over a frozen base in the compute dtype has no
+    FSDP2 unit (plain parameters, no one-rank gathers) and, compiled, is checkpointed inside its graph, as a QLoRA
+    block is; its fp32 adapters cast themselves where used, so it trains to the losses of the earlier path, where
+    each block had a unit (forced here) and a hooks-based checkpoint around its compiled graph. (Under bf16_mixed
+    DoRA's row norms and magnitude now read the fp32 masters, as QDoRA's do, rather than a unit's bf16 copies.)"""
+    from conftest import LogLines
+    from torch.distributed.fsdp import FSDPModule
+
+    from qshard.parallel import fsdp
+
+    model_dir = tiny_models("llama")
+
+    def run(name):
+        backend = {"compile": True, "compile_backend": "aot_eager"} if compiled else {}
+        cfg = _run_config(model_dir, tmp_path / name, **backend)
+        cfg.train.train_type, cfg.train.precision = train_type, precision
+        try:
+            return train(cfg.validate()).model
+        finally:
+            torch._dynamo.reset()
+
+    lines, logger = LogLines(), logging.getLogger("qshard")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        model = run("in_place")
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    traced = ", 2 checkpointed inside their compiled graphs" if compiled else ""
+    assert "2 of 2 LoRA/DoRA blocks used in place (one device: no FSDP2 units; the fp32 adapters cast where " \
+           f"used){traced}" in lines.lines, lines.lines
+    assert not any(isinstance(b, FSDPModule) for b in model.model.layers) and isinstance(model, FSDPModule)
+    params = dict(model.model.layers.named_parameters())
+    assert not any(isinstance(p, DTensor) for p in params.values())
+    master = torch.float32
+    adapters = {n for n in params if "lora_" in n or n.endswith("magnitude")}
+    assert all(params[n].dtype == master and params[n].requires_grad for n in adapters)
+    assert all(p.dtype == (master if precision == "fp32" else torch.bfloat16) and not p.requires_grad
+               for n, p in params.items() if n not in adapters)
+
+    monkeypatch.setattr(fsdp, "adapter_block", lambda block, mp: False)
+    units = run("units")
+    assert all(isinstance(b, FSDPModule) for b in units.model.layers)
+    in_place, in_units = _losses(tmp_path / "in_place"), _losses(tmp_path / "units")
+    assert len(in_place) == 3
+    # The same casts in the same places (bf16_mixed too: the unit's bf16 copy of a master is the adapter's own cast).
+    assert in_place == pytest.approx(in_units, rel=1e-6)

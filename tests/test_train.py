@@ -124,9 +124,9 @@ def test_qlora_dtypes(tiny_models, tmp_path, dist_env):
 
 def test_one_device_blocks_have_no_fsdp_units(tiny_models, dist_env):
     """World size 1: quantized blocks are used in place (no FSDP2 unit, plain parameters: no one-rank gathers
-    and copies), and so are the frozen embedding and head; the root stays a unit. With a bf16 base (a block
-    whose unit casts the fp32 adapters) or under CPU offload (FSDP2 moves the storage) the blocks keep their
-    units; an embedding and head that train (full fine-tuning) keep theirs."""
+    and copies), and so are the frozen embedding and head; the root stays a unit. So are the blocks of a bf16
+    base that train only adapters (LoRA: they cast their fp32 masters where used). Under CPU offload (FSDP2 moves
+    the storage) the blocks keep their units; blocks, embedding and head that train in full keep theirs."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -147,13 +147,15 @@ def test_one_device_blocks_have_no_fsdp_units(tiny_models, dist_env):
     assert not any(isinstance(p, DTensor) for m in (block, embed, head) for p in m.parameters())
     assert isinstance(model.model.norm.weight, DTensor)  # the root's own
     lora, offloaded = built(train_type="lora"), built(cpu_offload=True)
-    for model in (lora, offloaded):
-        assert all(isinstance(b, FSDPModule) for b in model.model.layers)
+    assert not any(isinstance(b, FSDPModule) for b in lora.model.layers)
+    assert not any(isinstance(p, DTensor) for p in lora.model.layers.parameters())
+    assert all(isinstance(b, FSDPModule) for b in offloaded.model.layers)
     assert not isinstance(lora.get_input_embeddings(), FSDPModule)  # frozen, bf16: in place
     # Under cpu_offload too: offloading a frozen embedding would only copy it to the GPU at every gather.
     assert not isinstance(offloaded.get_input_embeddings(), FSDPModule)
     full = built(train_type="full")
     assert all(isinstance(m, FSDPModule) for m in (full.get_input_embeddings(), full.get_output_embeddings()))
+    assert all(isinstance(b, FSDPModule) for b in full.model.layers)
 
 
 def test_embedded_demo_end_to_end(tmp_path, capsys):

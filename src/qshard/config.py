@@ -714,19 +714,21 @@ def _validate_source(name: str, source: SourceConfig) -> None:
 
 
 def checkpoint_trace_unmet(parallel: ParallelConfig, train_type: str, dropout: float, world_size: int) -> list[str]:
-    """What keeps quantized blocks' checkpoints out of their compiled graphs, as option settings, in order
-    (empty: traced; parallel/checkpointing.py, traced_checkpoint). The one statement of that rule, for the
+    """What keeps the checkpoints of blocks used in place out of their compiled graphs, as option settings, in
+    order (empty: traced; parallel/checkpointing.py, traced_checkpoint). The one statement of that rule, for the
     config's validation and for parallel/fsdp.py.
 
-    Why these: a traced checkpoint needs a compiled graph and a checkpoint; only quantized blocks used in
-    place (one process, storage left to FSDP2, no CPU offload: parallel/fsdp.py, blocks_in_place) keep their
-    integer storage, and the compiler's partitioner fails on the float carriers an FSDP2 unit would hold;
-    with LoRA dropout a traced checkpoint keeps every dropout's output and mask, where the hooks'
-    recomputation redraws them exactly; a tiled MLP breaks the block's graph (its tiles run eagerly)."""
+    Why these: a traced checkpoint needs a compiled graph and a checkpoint; it is traced only in blocks used in
+    place (one process, storage left to FSDP2, no CPU offload: parallel/fsdp.py, blocks_in_place), which only
+    adapter runs have (quantized blocks, or blocks that train only adapters): a quantized block in an FSDP2 unit
+    holds float carriers, on which the compiler's partitioner fails; with LoRA dropout a traced checkpoint keeps
+    every dropout's output and mask, where the hooks' recomputation redraws them exactly; a tiled MLP breaks the
+    block's graph (its tiles run eagerly)."""
+    adapter_types = [t for t in get_args(TrainType) if t not in ADAPTERLESS_TRAIN_TYPES]
     return [reason for reason, ok in (
         ("parallel.compile true", parallel.compile is not False),  # auto: decided on the device (compile_choice)
         ("parallel.activation_checkpointing true", parallel.activation_checkpointing),
-        (f"a quantized train.train_type ({', '.join(QUANTIZED_TRAIN_TYPES)})", train_type in QUANTIZED_TRAIN_TYPES),
+        (f"an adapter train.train_type ({', '.join(adapter_types)})", train_type in adapter_types),
         ("lora.dropout 0", dropout == 0),
         ("one process (parallel.nproc 1)", world_size == 1),
         ("parallel.cpu_offload false", not parallel.cpu_offload),

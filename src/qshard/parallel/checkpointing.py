@@ -7,11 +7,11 @@ parameter, so the block's own transformers mechanism (GradientCheckpointingLayer
 function per layer) is used instead. It wraps `forward`, not `__call__`, so FSDP2's hooks stay outside the
 checkpointed region and the recompute does not gather weights twice.
 
-Compiled quantized blocks that no FSDP2 unit holds are checkpointed inside their graph instead where
-config.py's `checkpoint_trace_unmet` allows it (one device, no LoRA dropout): `traced_checkpoint`. The
-compiler then builds one backward graph per block that recomputes only what backward needs, under a policy
-that recomputes every op but random draws, so the block keeps its inputs and the outputs of its random ops
-(none without dropout).
+Compiled blocks that no FSDP2 unit holds (quantized, or training only LoRA/DoRA adapters, on one device) are
+checkpointed inside their graph instead where config.py's `checkpoint_trace_unmet` allows it (one device, no
+LoRA dropout): `traced_checkpoint`. The compiler then builds one backward graph per block that recomputes only
+what backward needs, under a policy that recomputes every op but random draws, so the block keeps its inputs
+and the outputs of its random ops (none without dropout).
 """
 
 from __future__ import annotations

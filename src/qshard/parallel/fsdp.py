@@ -3,8 +3,9 @@
 The recipe: ready the quantized storage for what holds it (FSDP2, as integers or in float carriers, checked
 byte for byte; or DTensor buffers), tile each block's MLP along the sequence where asked, choose the blocks
 whose checkpoint is traced into their compiled graph, checkpoint the others with hooks, compile the blocks,
-then `fully_shard` each block, the embedding and the head, and the root. On one device the quantized blocks
-(and a frozen embedding and head) get no unit: they are used in place (`blocks_in_place`).
+then `fully_shard` each block, the embedding and the head, and the root. On one device the quantized blocks,
+the blocks that train only adapters over a frozen base in the compute dtype (LoRA, DoRA), and a frozen embedding
+and head get no unit: they are used in place (`blocks_in_place`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from qshard.adapters import LoRALinear
 from qshard.config import Config, ParallelConfig, checkpoint_trace_unmet
 from qshard.errors import QShardError
 from qshard.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
@@ -45,6 +47,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
         storage_in_dtensor_buffers(model, blocks, mesh, parallel)
     tile_mlps(model, blocks, parallel.mlp_tile_tokens)
     traced = traced_blocks(blocks, in_place, mesh, parallel, cfg.train.train_type, cfg.lora.dropout)
+    log_adapter_blocks_in_place(blocks, in_place, traced)
     apply_activation_checkpointing(model, blocks, parallel, traced)
     if parallel.compile:
         compile_blocks(blocks, parallel.compile_backend, traced, parallel.ac_save_projections)
@@ -65,12 +68,30 @@ def quantized_blocks(blocks: list[nn.Module]) -> list[nn.Module]:
 
 
 def in_place_blocks(model: nn.Module, blocks: list[nn.Module], world_size: int, cfg: Config) -> list[nn.Module]:
-    """The quantized blocks that get no FSDP2 unit on `world_size` ranks (`blocks_in_place`); the planner
-    (qshard/planner) asks the same question of a skeleton."""
-    if cfg.parallel.quant_sharding != "fsdp":
+    """The blocks that get no FSDP2 unit on `world_size` ranks (`blocks_in_place`): the quantized ones and those
+    that train adapters only (`adapter_block`); the planner (qshard/planner) asks the same question of a
+    skeleton."""
+    if cfg.parallel.quant_sharding != "fsdp" or not blocks_in_place(world_size, cfg.parallel):
         return []
-    scaled_mixed = precision(cfg).loss_scaling and trained_outside(model, blocks)
-    return quantized_blocks(blocks) if blocks_in_place(world_size, cfg.parallel) and not scaled_mixed else []
+    prec = precision(cfg)
+    if prec.loss_scaling and trained_outside(model, blocks):
+        return []
+    quantized = {id(b) for b in quantized_blocks(blocks)}
+    return [b for b in blocks if id(b) in quantized or adapter_block(b, prec.mp_policy())]
+
+
+def adapter_block(block: nn.Module, mp: MixedPrecisionPolicy) -> bool:
+    """Whether `block` trains adapters (LoRA, DoRA) and nothing else, over frozen weights already in the dtype its
+    unit would gather them in. Its unit would cast only the adapters, which cast their fp32 masters to the compute
+    dtype where they use them (adapters/lora.py, dora.py), as in a quantized block: used in place, it computes
+    what its unit would. A block that trains full weights (full, llama_pro, lora.modules_to_save inside it)
+    keeps its unit, whose policy casts them."""
+    adapters = {id(p) for m in block.modules() if isinstance(m, LoRALinear)
+                for name, p in m.named_parameters() if not name.startswith("base.")}
+    params = list(block.parameters())
+    return bool(adapters) and all(
+        id(p) in adapters if p.requires_grad else mp.param_dtype in (None, p.dtype) for p in params
+    )
 
 
 def blocks_in_place(world_size: int, parallel: ParallelConfig) -> bool:
@@ -78,8 +99,9 @@ def blocks_in_place(world_size: int, parallel: ParallelConfig) -> bool:
     into a one-rank all-gather and back, three times a step (forward, recomputation, backward), and its
     gradient reduction is the identity; without the unit's hooks and copies the step is faster
     (docs/benchmarks-history.md). Such a block's unit would cast nothing (`storage_unit_policy`), so leaving
-    its parameters as plain tensors, used in place, changes no numbers. The same holds for a frozen embedding
-    or head in the compute dtype (`frozen_uncast`). CPU offload needs FSDP2 (its policy moves them)."""
+    its parameters as plain tensors, used in place, changes no numbers. The same holds for a block that trains
+    only adapters over a frozen base in the compute dtype (`adapter_block`), and for a frozen embedding or head
+    in the compute dtype (`frozen_uncast`). CPU offload needs FSDP2 (its policy moves them)."""
     return world_size == 1 and not parallel.cpu_offload
 
 
@@ -90,6 +112,17 @@ def trained_outside(model: nn.Module, blocks: list[nn.Module]) -> bool:
     such mix, so under fp16 the blocks keep their units."""
     inside = {id(p) for b in blocks for p in b.parameters()}
     return any(p.requires_grad and id(p) not in inside for p in model.parameters())
+
+
+def log_adapter_blocks_in_place(blocks: list[nn.Module], in_place: list[nn.Module], traced: list[nn.Module]) -> None:
+    """One line naming the unquantized blocks used in place (those of quantized storage get build.py's line)."""
+    quantized = {id(b) for b in quantized_blocks(blocks)}
+    adapters = [b for b in in_place if id(b) not in quantized]
+    if adapters:
+        inside = sum(1 for b in adapters if b in traced)
+        log.info("%d of %d LoRA/DoRA blocks used in place (one device: no FSDP2 units; the fp32 adapters cast where "
+                 "used)%s", len(adapters), len(blocks), f", {inside} checkpointed inside their compiled graphs"
+                 if inside else "")
 
 
 def storage_in_dtensor_buffers(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,
@@ -107,7 +140,7 @@ def storage_in_dtensor_buffers(model: nn.Module, blocks: list[nn.Module], mesh: 
 def traced_blocks(blocks: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh, parallel: ParallelConfig,
                   train_type: str, dropout: float) -> list[nn.Module]:
     """The checkpointed blocks whose checkpoint is traced into their compiled graph (parallel/checkpointing.py:
-    traced_checkpoint): where `checkpoint_trace_unmet` finds nothing unmet, the quantized blocks used in place.
+    traced_checkpoint): where `checkpoint_trace_unmet` finds nothing unmet, the blocks used in place.
     The other checkpointed blocks keep hooks around their (compiled) forward."""
     traced = []
     if not checkpoint_trace_unmet(parallel, train_type, dropout, mesh.size()):

@@ -62,7 +62,9 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
         attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
     dequant = quantized * (2 + ckpt + extra) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
     gpu = (compute + dequant) * (1.0 if p.compile else hardware.EAGER_GPU_FACTOR)
-    graphs = p.compile and any(x.holder == "in_place" and x.part == "quantized" for x in plans)
+    # Blocks used in place (their storage or adapters held in place; only the embedding and head are otherwise)
+    # run as compiled graphs without a unit's hooks.
+    graphs = p.compile and any(x.holder == "in_place" and x.part not in ("embedding", "head") for x in plans)
     host = shapes.blocks * hardware.HOST_PER_BLOCK_S["graph" if graphs else "hooks"]
     link = _link_seconds(cfg, plans, machine)
     pcie = _pcie_seconds(cfg, plans, machine)
