@@ -365,3 +365,14 @@ def test_no_checkpoint_at_end_when_asked(tiny_models, tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-00000002"]
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["checkpoint"] is None and summary["steps"] == 3
+    metrics = (out / "metrics.jsonl").read_text()
+    # --resume auto finds step 2's checkpoint, but the run is finished: nothing is trained again
+    again = _run_here(args + ["--resume", "auto"], capsys)
+    assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr
+    assert (out / "metrics.jsonl").read_text() == metrics and (out / "summary.json").is_file()
+    # more steps cannot continue from a step that was never saved
+    more = _run_here(args + ["--resume", "auto", "--max-steps", "5"], capsys)
+    assert more.returncode == 2 and "without a checkpoint of it" in more.stderr, more.stderr
+    assert (out / "metrics.jsonl").read_text() == metrics

@@ -255,8 +255,20 @@ def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_ex
     """Whether output.dir holds this run already finished (summary.json, and the checkpoint of its last step
     continued): nothing to do. A finished run that --resume auto finds no checkpoint of is refused."""
     finished = from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
-    ended = resume.state is not None and (_stopped_early(cfg, resume.state)
-                                          or resume.state["step"] >= Trainer.plan(cfg, n_examples, env)[1])
+    total = Trainer.plan(cfg, n_examples, env)[1]
+    if finished and cfg.checkpoint.resume == "auto" and not cfg.output.overwrite and _unsaved_end(out, env):
+        # checkpoint.at_end false: the run finished without a checkpoint of its last step, and a checkpoint
+        # found here is an earlier one: continuing from it would train the finished steps again.
+        done = from_rank0(lambda: json.loads((out / "summary.json").read_text()).get("steps", 0), env.is_main)
+        if done >= total:
+            if env.is_main:
+                log.info("run already finished: %s holds summary.json of all %d steps (no checkpoint of the last "
+                         "one: checkpoint.at_end false); nothing to do", out, done)
+            return True
+        raise QShardError(f"output.dir: {out} holds a run finished at step {done} without a checkpoint of it "
+                          "(checkpoint.at_end false), so it cannot continue to more steps; choose another directory "
+                          "or pass --overwrite")
+    ended = resume.state is not None and (_stopped_early(cfg, resume.state) or resume.state["step"] >= total)
     if finished and resume.continuing and ended:
         if env.is_main:
             log.info("run already finished: %s holds summary.json and its checkpoint of the last step (%d); "
@@ -266,6 +278,12 @@ def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_ex
         raise QShardError(f"output.dir: {out} holds a finished run but no checkpoint to continue it from; "
                           "choose another directory or pass --overwrite")
     return False
+
+
+def _unsaved_end(out: Path, env: DistEnv) -> bool:
+    """Whether summary.json in `out` says the run saved no checkpoint of its last step."""
+    return from_rank0(lambda: json.loads((out / "summary.json").read_text()).get("checkpoint", "") is None,
+                      env.is_main)
 
 
 @dataclass
@@ -447,6 +465,7 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
     records, first, last = fit.records, fit.first, fit.last
     # A preference loss is no token cross-entropy: its exponential is no perplexity.
     perplexity = cfg.train.objective == "sft"
+    end = checkpoint.step_dir(Path("checkpoints"), _last_step(run, fit))
     return {
         "train_type": cfg.train.train_type,
         "objective": cfg.train.objective,
@@ -463,7 +482,8 @@ def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: floa
         **({f"eval_{k}_end": v for k, v in last.metrics.items()} if last else {}),
         "elapsed_s": time.perf_counter() - started,
         "adapter": "adapter" if run.report.adapted else None,
-        "checkpoint": str(checkpoint.step_dir(Path("checkpoints"), _last_step(run, fit))),
+        # None where nothing saved the last step (checkpoint.at_end false, no periodic or best save on it)
+        "checkpoint": str(end) if (Path(cfg.output.dir) / end).is_dir() else None,
         "best_step": run.trainer.best.step,  # of the lowest held-out loss evaluated after a step
         "best_eval_loss": run.trainer.best.loss,
         "best_checkpoint": _best_checkpoint(cfg, run),
