@@ -110,7 +110,7 @@ def fit_check(name: str, options: list[str], args) -> dict:
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     planned = predict([*options, *COMMON, "--fit", "--top", "1", "--host-mem", f"{host:.0f}"], capped)
     if not planned.get("fit"):  # the plan's own error where it failed: no GPU run for it
-        return {"name": name, "predicted": planned,
+        return {"name": name, "options": options, "predicted": planned,
                 "measured": {"error": planned.get("error", "--fit found no setting")}}
     chosen = [arg for flag in planned["fit"][0]["overrides"] for arg in flag.split(" ")]
     measured = measure(name, [*options, *chosen], _seq(options), capped)
@@ -203,7 +203,7 @@ def main() -> None:
 
     if args.predict_from:
         for old in json.loads(args.predict_from.read_text()):
-            if "overrides" in old.get("predicted", {}):  # a --fit check: its choice is kept as it was made
+            if old["name"] in FIT_CHECKS:  # a --fit check: its choice (or failure) is kept as it was made
                 record(old)
                 continue
             record(compare(old["name"], old["options"], predict([*old["options"], *COMMON], args), old["measured"]))

@@ -313,3 +313,14 @@ def test_tiles_shrink_what_unchecked_blocks_keep_too(capsys):
     plain = _plan(capsys, *base, "--parallel.compile", "false")
     tiled = _plan(capsys, *base, "--parallel.mlp_tile_tokens", "8192")
     assert tiled["parts"]["checkpointed activations"] < 0.5 * plain["parts"]["checkpointed activations"]
+
+
+def test_a_bias_outside_the_blocks_does_not_count_as_blocks_used_in_place(tiny_models, capsys):
+    """Phi's head has a bias, which the layout leaves in place under dtensor storage; the blocks still have FSDP2
+    units there, so a compiled step pays their hooks' host time, not that of graphs run in place."""
+    model = str(tiny_models("phi"))
+    common = ["--model", model, "--gpu-kind", "h200", "--seq", "64", "--parallel.compile", "true"]
+    units = _plan(capsys, *common, "--parallel.quant_sharding", "dtensor")
+    in_place = _plan(capsys, *common)
+    host = "host-bound (kernel launches)"
+    assert units["time_parts"][host] > 3 * in_place["time_parts"][host], (units["time_parts"], in_place["time_parts"])

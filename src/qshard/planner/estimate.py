@@ -103,6 +103,9 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
         cache[key] = [tensor_layout(model, cfg, world, rank) for rank in range(mesh.shard)]
     layouts = cache[key]
     shapes = Shapes(model, cfg, seq, world)
+    index = _block_index(model)
+    # Blocks used in place (no FSDP2 unit: parallel/fsdp.py, in_place_blocks), as the layout placed them.
+    shapes.blocks_in_place = any(x.holder == "in_place" and x.name in index for x in layouts[0])
     peaks, parts = [], None
     for plans in layouts:
         rank_parts = _gpu_parts(model, cfg, plans, acts, shapes)
@@ -111,7 +114,7 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
     host_parts, loading = _host_parts(model, cfg, layouts[0], acts, shapes, machine)
     offloaded = sum(_kept_per_block(model, cfg, acts, shapes)) if cfg.parallel.activation_offload else 0.0
     times = step_times(model, cfg, layouts[0], shapes, machine, offloaded,
-                       _traced(cfg, world) and cfg.parallel.ac_save_projections)
+                       _traced(cfg, shapes) and cfg.parallel.ac_save_projections)
     step = sum(times.values())
     tokens = shapes.tokens * cfg.train.grad_accum * world
     return Estimate(
@@ -121,7 +124,7 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
         peak_host_gib=max(sum(host_parts.values()), loading) / GIB,
         loading_host_gib=loading / GIB,
         step_s=step, tok_s=tokens / step, time_parts=times, machine=machine, tokens_per_step=tokens,
-        notes=_notes(cfg, world),
+        notes=_notes(cfg, shapes),
     )
 
 
@@ -142,6 +145,7 @@ class Shapes:
         self.attn_dim = text.num_attention_heads * head_dim if head_dim else self.hidden
         self.compute = precision(cfg).compute.itemsize
         self.blocks = len(model.blocks)
+        self.blocks_in_place = False  # set from the layout (estimate)
 
 
 def _block_index(model: Skeleton) -> dict[str, int]:
@@ -239,7 +243,7 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     loss = _loss_chunk(cfg, shapes) + outside
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
     projections = _kept_projections(model, cfg, acts, shapes) / shapes.blocks  # per block, on average
-    factor = WORKING_SET_FACTOR["traced" if _traced(cfg, shapes.world) else "hooks"]
+    factor = WORKING_SET_FACTOR["traced" if _traced(cfg, shapes) else "hooks"]
     phases = [(sum(kept) + projections * shapes.blocks, 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
     for i in reversed(range(shapes.blocks)):
         working = _block_working_set(cfg, acts, shapes, i) * factor + outside
@@ -299,14 +303,17 @@ def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes
 def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
     """Under ac_save_projections, where checkpoints are traced: the projections every checkpointed block keeps
     inside its compiled graph, which activation offload's hooks are not counted on to reach."""
-    if not (_traced(cfg, shapes.world) and cfg.parallel.ac_save_projections):
+    if not (_traced(cfg, shapes) and cfg.parallel.ac_save_projections):
         return 0.0
     ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
     return sum(shapes.tokens * acts.projections[i] for i, b in enumerate(model.blocks) if id(b) in ckpt)
 
 
-def _traced(cfg: Config, world: int) -> bool:
-    return not checkpoint_trace_unmet(cfg.parallel, cfg.train.train_type, cfg.lora.dropout, world)
+def _traced(cfg: Config, shapes: Shapes) -> bool:
+    """Whether checkpoints are traced into compiled graphs: the rule allows it and blocks are used in place
+    (parallel/fsdp.py, traced_blocks)."""
+    unmet = checkpoint_trace_unmet(cfg.parallel, cfg.train.train_type, cfg.lora.dropout, shapes.world)
+    return not unmet and shapes.blocks_in_place
 
 
 def _grads_by_block(model: Skeleton, plans: list[TensorPlan], blocks: int) -> list[float]:
@@ -379,8 +386,8 @@ def _pinned(nbytes: float) -> float:
     return float(1 << max(0, int(nbytes - 1).bit_length())) if nbytes > 0 else 0.0
 
 
-def _notes(cfg: Config, world: int) -> list[str]:
+def _notes(cfg: Config, shapes: Shapes) -> list[str]:
     notes = []
-    if cfg.parallel.ac_save_projections and not _traced(cfg, world):
+    if cfg.parallel.ac_save_projections and not _traced(cfg, shapes):
         notes.append("parallel.ac_save_projections has no effect here (no block's checkpoint is traced)")
     return notes

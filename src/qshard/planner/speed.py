@@ -64,7 +64,7 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     gpu = (compute + dequant) * (1.0 if p.compile else hardware.EAGER_GPU_FACTOR)
     # Blocks used in place (their storage or adapters held in place; only the embedding and head are otherwise)
     # run as compiled graphs without a unit's hooks.
-    graphs = p.compile and any(x.holder == "in_place" and x.part not in ("embedding", "head") for x in plans)
+    graphs = p.compile and shapes.blocks_in_place
     host = shapes.blocks * hardware.HOST_PER_BLOCK_S["graph" if graphs else "hooks"]
     link = _link_seconds(cfg, plans, machine)
     pcie = _pcie_seconds(cfg, plans, machine)
