@@ -153,6 +153,8 @@ def test_one_device_blocks_have_no_fsdp_units(tiny_models, dist_env):
     assert not isinstance(lora.get_input_embeddings(), FSDPModule)  # frozen, bf16: in place
     # Under cpu_offload too: offloading a frozen embedding would only copy it to the GPU at every gather.
     assert not isinstance(offloaded.get_input_embeddings(), FSDPModule)
+    # quant_sharding concerns quantized storage only: a LoRA run's blocks are in place under either setting
+    assert not any(isinstance(b, FSDPModule) for b in built(train_type="lora", quant_sharding="dtensor").model.layers)
     full = built(train_type="full")
     assert all(isinstance(m, FSDPModule) for m in (full.get_input_embeddings(), full.get_output_embeddings()))
     assert all(isinstance(b, FSDPModule) for b in full.model.layers)

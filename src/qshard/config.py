@@ -732,7 +732,8 @@ def checkpoint_trace_unmet(parallel: ParallelConfig, train_type: str, dropout: f
         ("lora.dropout 0", dropout == 0),
         ("one process (parallel.nproc 1)", world_size == 1),
         ("parallel.cpu_offload false", not parallel.cpu_offload),
-        ("parallel.quant_sharding fsdp", parallel.quant_sharding != "dtensor"),
+        ("parallel.quant_sharding fsdp",
+         parallel.quant_sharding != "dtensor" or train_type not in QUANTIZED_TRAIN_TYPES),
         ("parallel.mlp_tile_tokens 0", not parallel.mlp_tile_tokens),
     ) if not ok]
 

@@ -71,13 +71,17 @@ def in_place_blocks(model: nn.Module, blocks: list[nn.Module], world_size: int, 
     """The blocks that get no FSDP2 unit on `world_size` ranks (`blocks_in_place`): the quantized ones and those
     that train adapters only (`adapter_block`); the planner (qshard/planner) asks the same question of a
     skeleton."""
-    if cfg.parallel.quant_sharding != "fsdp" or not blocks_in_place(world_size, cfg.parallel):
+    if not blocks_in_place(world_size, cfg.parallel):
         return []
     prec = precision(cfg)
     if prec.loss_scaling and trained_outside(model, blocks):
         return []
     quantized = {id(b) for b in quantized_blocks(blocks)}
-    return [b for b in blocks if id(b) in quantized or adapter_block(b, prec.mp_policy())]
+    # quant_sharding dtensor keeps quantized storage in DTensor buffers, which blocks in place do not take; it
+    # says nothing about blocks without quantized layers.
+    in_place_quantized = cfg.parallel.quant_sharding == "fsdp"
+    return [b for b in blocks
+            if (in_place_quantized if id(b) in quantized else adapter_block(b, prec.mp_policy()))]
 
 
 def adapter_block(block: nn.Module, mp: MixedPrecisionPolicy) -> bool:
