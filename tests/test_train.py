@@ -160,6 +160,23 @@ def test_one_device_blocks_have_no_fsdp_units(tiny_models, dist_env):
     assert all(isinstance(b, FSDPModule) for b in full.model.layers)
 
 
+def test_adapter_blocks_are_used_in_place_all_together_or_not_at_all(tiny_models, dist_env, monkeypatch):
+    """If one block that trains adapters could not be used in place, none is: the optimizer's adapter group takes
+    one kind of tensor (plain or DTensor)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from qshard.build import build_model
+    from qshard.config import Config
+    from qshard.parallel import fsdp
+
+    seen: list = []
+    monkeypatch.setattr(fsdp, "adapter_block", lambda block, mp: seen.append(block) or block is seen[0])
+    cfg = Config()
+    cfg.train.train_type = "lora"
+    model = build_model(cfg.validate(), dist_env, tiny_models("llama"))[0]
+    assert len(seen) >= 2 and all(isinstance(b, FSDPModule) for b in model.model.layers)
+
+
 def test_embedded_demo_end_to_end(tmp_path, capsys):
     """`qshard train` with no model and no data: the shipped demo, whose held-out loss must fall. Through
     qshard.cli.main in this process (what `python -m qshard` calls): a process start with torch's imports

@@ -80,8 +80,12 @@ def in_place_blocks(model: nn.Module, blocks: list[nn.Module], world_size: int, 
     # quant_sharding dtensor keeps quantized storage in DTensor buffers, which blocks in place do not take; it
     # says nothing about blocks without quantized layers.
     in_place_quantized = cfg.parallel.quant_sharding == "fsdp"
-    return [b for b in blocks
-            if (in_place_quantized if id(b) in quantized else adapter_block(b, prec.mp_policy()))]
+    # The other blocks that train go in place all together or not at all: the optimizer's adapter group holds
+    # their weights as one kind of tensor, plain or DTensor (train/optim.py).
+    training = [b for b in blocks if id(b) not in quantized and any(p.requires_grad for p in b.parameters())]
+    mp = prec.mp_policy()
+    adapters = {id(b) for b in training} if all(adapter_block(b, mp) for b in training) else set()
+    return [b for b in blocks if (in_place_quantized if id(b) in quantized else id(b) in adapters)]
 
 
 def adapter_block(block: nn.Module, mp: MixedPrecisionPolicy) -> bool:
