@@ -126,6 +126,13 @@ def test_dpo_and_ipo_equal_trl_dpo_trainer(objective):
     torch.testing.assert_close(_grad(ours, token), _grad(theirs, token))
 
 
+def _same_grads(ours, theirs, inputs):
+    """The gradients of the summed losses with respect to `inputs` are equal."""
+    for ours_g, theirs_g in zip(torch.autograd.grad(ours.sum(), inputs), torch.autograd.grad(theirs.sum(), inputs),
+                                strict=True):
+        torch.testing.assert_close(ours_g, theirs_g)
+
+
 def _log_ratios(seed=2):
     g = torch.Generator().manual_seed(seed)
     pc, pr = (-30 * torch.rand(5, generator=g, dtype=torch.float64)).requires_grad_(), \
@@ -143,9 +150,7 @@ def test_conservative_dpo_equals_trl_sigmoid_with_label_smoothing():
     ours, chosen, rejected = dpo_loss(pc, pr, rc, rr, BETA, label_smoothing=0.2)
     torch.testing.assert_close(ours, theirs)
     torch.testing.assert_close((chosen, rejected), (chosen_t, rejected_t))
-    for ours_g, theirs_g in zip(torch.autograd.grad(ours.sum(), (pc, pr)), torch.autograd.grad(theirs.sum(), (pc, pr)),
-                                strict=True):
-        torch.testing.assert_close(ours_g, theirs_g)
+    _same_grads(ours, theirs, (pc, pr))
 
 
 def test_simpo_equals_trl_cpo_simpo():
@@ -157,9 +162,7 @@ def test_simpo_equals_trl_cpo_simpo():
     ours, chosen, rejected = simpo_loss(pc, pr, BETA, 0.7)
     torch.testing.assert_close(ours, theirs)
     torch.testing.assert_close((chosen, rejected), (chosen_t, rejected_t))
-    for ours_g, theirs_g in zip(torch.autograd.grad(ours.sum(), (pc, pr)), torch.autograd.grad(theirs.sum(), (pc, pr)),
-                                strict=True):
-        torch.testing.assert_close(ours_g, theirs_g)
+    _same_grads(ours, theirs, (pc, pr))
 
 
 def test_orpo_equals_trl_odds_ratio_loss():
@@ -173,9 +176,7 @@ def test_orpo_equals_trl_odds_ratio_loss():
     ours = losses - (-pc)  # the odds-ratio term: -lambda log s(log odds ratio)
     torch.testing.assert_close(ours, -theirs)
     torch.testing.assert_close(ratio.mean(), log_odds)
-    for ours_g, theirs_g in zip(torch.autograd.grad(ours.sum(), (pc, pr)),
-                                torch.autograd.grad(-theirs.sum(), (pc, pr)), strict=True):
-        torch.testing.assert_close(ours_g, theirs_g)
+    _same_grads(ours, -theirs, (pc, pr))
 
 
 def test_kto_equals_trl_kto_trainer():
