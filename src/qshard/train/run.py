@@ -254,12 +254,14 @@ def _check_resume(cfg: Config, env: DistEnv, resume: _Resume, model_dir: Path | 
 def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_examples: int) -> bool:
     """Whether output.dir holds this run already finished (summary.json, and the checkpoint of its last step
     continued): nothing to do. A finished run that --resume auto finds no checkpoint of is refused."""
-    finished = from_rank0(lambda: (out / "summary.json").is_file(), env.is_main)
+    summary = from_rank0(lambda: _summary_on_disk(out), env.is_main)
+    finished = summary is not None
     total = Trainer.plan(cfg, n_examples, env)[1]
-    if finished and cfg.checkpoint.resume == "auto" and not cfg.output.overwrite and _unsaved_end(out, env):
+    unsaved_end = finished and summary.get("checkpoint", "") is None
+    if unsaved_end and cfg.checkpoint.resume == "auto" and not cfg.output.overwrite:
         # checkpoint.at_end false: the run finished without a checkpoint of its last step, and a checkpoint
         # found here is an earlier one: continuing from it would train the finished steps again.
-        done = from_rank0(lambda: json.loads((out / "summary.json").read_text()).get("steps", 0), env.is_main)
+        done = summary.get("steps", 0)
         if done >= total:
             if env.is_main:
                 log.info("run already finished: %s holds summary.json of all %d steps (no checkpoint of the last "
@@ -280,10 +282,10 @@ def _finished_before(cfg: Config, env: DistEnv, out: Path, resume: _Resume, n_ex
     return False
 
 
-def _unsaved_end(out: Path, env: DistEnv) -> bool:
-    """Whether summary.json in `out` says the run saved no checkpoint of its last step."""
-    return from_rank0(lambda: json.loads((out / "summary.json").read_text()).get("checkpoint", "") is None,
-                      env.is_main)
+def _summary_on_disk(out: Path) -> dict | None:
+    """The summary.json a finished run left in `out`, or None."""
+    path = out / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 @dataclass
