@@ -3,7 +3,8 @@ and the allocations live at the step's peak grouped by the line of code that mad
 
   python3 benchmarks/memory_peak.py --shape llama3-8b [--seq 2048] [--warmup 3] [--section.key V ...]
 
-Random weights (`model.shape`) and random tokens, like step_phases.py. After the warm-up steps, one step runs
+Random weights (`model.shape`) and random tokens, like step_phases.py; with a preference `--train.objective`,
+pairs of two `--seq` rows (half prompt) and only the allocator history. After the warm-up steps, one step runs
 phase by phase (forward, backward, clip, optimizer, zero_grad) with the peak reset before each; a second step
 runs under torch's allocator history (torch.cuda.memory._record_memory_history), which is replayed here to
 find the moment of the peak and what was live then. Allocations made before that step (weights, optimizer
@@ -123,8 +124,9 @@ def main() -> None:
         trainer.step(step)
     result = {"shape": args.shape, "seq": args.seq, "overrides": extra,
               "run_peak_gib": round(torch.cuda.max_memory_allocated() / GiB, 3)}
-    result["phase_peaks_above_start_gib"] = _phase_peaks(trainer, args.warmup)
-    result["kept_for_backward_gib"] = _kept_for_backward(trainer, args.warmup + 1)
+    if trainer.cfg.train.objective == "sft":  # the phases are the token objective's (step_phases.run_phases)
+        result["phase_peaks_above_start_gib"] = _phase_peaks(trainer, args.warmup)
+        result["kept_for_backward_gib"] = _kept_for_backward(trainer, args.warmup + 1)
     torch.cuda.synchronize()
     result.update(_live_at_peak(trainer, args.warmup + 2, args.top))
     print(json.dumps(result))

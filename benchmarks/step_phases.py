@@ -24,7 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from qshard import config as config_mod
 from qshard.build import build_model
-from qshard.data import Example
+from qshard.data import IGNORE_INDEX, Example
+from qshard.data.preference import Pair
 from qshard.parallel.distributed import init_distributed
 from qshard.train.loop import Trainer
 from qshard.train.optim import clip_grad_norm
@@ -33,6 +34,17 @@ from qshard.train.optim import clip_grad_norm
 def _examples(n: int, seq: int) -> list[Example]:
     g = torch.Generator().manual_seed(0)
     return [Example(ids := torch.randint(3, 250, (seq,), generator=g).tolist(), ids) for _ in range(n)]
+
+
+def _pairs(n: int, seq: int) -> list[Pair]:
+    """Preference pairs of `seq` tokens a row: a prompt of half of them (not trained) and two completions."""
+    g = torch.Generator().manual_seed(0)
+    prompt = seq // 2
+    rows = []
+    for _ in range(2 * n):
+        ids = torch.randint(3, 250, (seq,), generator=g).tolist()
+        rows.append(Example(ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
+    return [Pair(rows[2 * i], rows[2 * i + 1]) for i in range(n)]
 
 
 def device_batch(trainer: Trainer, step: int) -> dict[str, torch.Tensor]:
@@ -71,14 +83,16 @@ def _phases(trainer: Trainer, step: int) -> dict[str, tuple[float, float]]:
 
 def build_trainer(args: argparse.Namespace, extra: list[str], examples: int) -> Trainer:
     """The benchmarks' trainer: the named shape with random weights, LoRA r=64, batch 1, `examples` random
-    examples of `args.seq` tokens, and any `--section.key VALUE` options in `extra`."""
+    examples of `args.seq` tokens (pairs of two such rows under a preference `--train.objective`), and any
+    `--section.key VALUE` options in `extra`."""
     overrides = [("model.shape", args.shape), ("data.max_length", str(args.seq)), ("lora.rank", "64"),
                  ("lora.alpha", "16"), ("train.micro_batch_size", "1")]
     overrides += [(extra[i][2:], extra[i + 1]) for i in range(0, len(extra), 2)]
     cfg = config_mod.resolve(None, overrides)
     env = init_distributed()
     model, _ = build_model(cfg, env, None)
-    return Trainer(cfg, env, model, _examples(examples, args.seq), [], 0)
+    data = _examples(examples, args.seq) if cfg.train.objective == "sft" else _pairs(examples, args.seq)
+    return Trainer(cfg, env, model, data, [], 0)
 
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -162,7 +176,8 @@ def main() -> None:
         issued.append(time.perf_counter() - t0)
         whole.append(trainer.finish(pending)["step_time_s"])
     phases = defaultdict(list)
-    for i in range(args.steps):
+    # The phases split the token objective's step (run_phases); a preference step is timed whole only.
+    for i in range(args.steps if trainer.cfg.train.objective == "sft" else 0):
         for name, times in _phases(trainer, args.warmup + args.steps + i).items():
             phases[name].append(times)
 
