@@ -36,14 +36,18 @@ def _examples(n: int, seq: int) -> list[Example]:
     return [Example(ids := torch.randint(3, 250, (seq,), generator=g).tolist(), ids) for _ in range(n)]
 
 
-def _pairs(n: int, seq: int) -> list[Pair]:
-    """Preference pairs of `seq` tokens a row: a prompt of half of them (not trained) and two completions."""
+def _pairs(n: int, seq: int, kto: bool = False) -> list[Pair]:
+    """Preference pairs of `seq` tokens a row: a prompt of half of them (not trained) and two completions; for
+    KTO, examples of one such row, desirable and undesirable in turn (the other row of the pair empty)."""
     g = torch.Generator().manual_seed(0)
     prompt = seq // 2
     rows = []
     for _ in range(2 * n):
         ids = torch.randint(3, 250, (seq,), generator=g).tolist()
         rows.append(Example(ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
+    if kto:
+        empty = Example([], [])
+        return [Pair(rows[i], empty) if i % 2 == 0 else Pair(empty, rows[i]) for i in range(n)]
     return [Pair(rows[2 * i], rows[2 * i + 1]) for i in range(n)]
 
 
@@ -91,7 +95,8 @@ def build_trainer(args: argparse.Namespace, extra: list[str], examples: int) -> 
     cfg = config_mod.resolve(None, overrides)
     env = init_distributed()
     model, _ = build_model(cfg, env, None)
-    data = _examples(examples, args.seq) if cfg.train.objective == "sft" else _pairs(examples, args.seq)
+    objective = cfg.train.objective
+    data = _examples(examples, args.seq) if objective == "sft" else _pairs(examples, args.seq, objective == "kto")
     return Trainer(cfg, env, model, data, [], 0)
 
 
