@@ -20,7 +20,9 @@ Every run is a process of its own (this script again, with --child): one JSON li
 (Unsloth refusing the machine, an import error, out of memory, a timeout, a crash) becomes its row with the
 error's own line rather than ending the benchmark. --longest then doubles the sequence from --longest-start
 (random ids, --longest-steps steps each, under a --cap-gib memory cap as benchmarks/long_context.py sets it)
-until a length fails or --longest-budget-s runs out. Rows go to DIR/results.json; the table is printed last.
+until a length fails or --longest-budget-s runs out (a step at 256k tokens takes minutes on an H200: start high
+with --longest-start, or read the peak extrapolated from the two longest lengths that ran, which the report
+gives). Rows go to DIR/results.json; the table is printed last.
 
 The GPU machine has no network: the children run with the Hub, transformers, datasets and Unsloth's statistics
 offline (CHILD_ENV), and Unsloth's compiled-module cache goes under DIR instead of the working directory.
@@ -77,8 +79,9 @@ def _versions() -> dict:
     return found
 
 
-def _batches(args, tokenizer_path: str, vocab: int, count: int):
-    """`count` batches of token ids on the GPU: --data's examples (as hf_reference.py reads them) or random ids."""
+def batches(args, tokenizer_path: str, vocab: int, count: int, device: str = "cuda") -> list[dict]:
+    """`count` batches on `device`: --data's examples (as hf_reference.py reads them) or random ids; each with its
+    real token count under "tokens", and no attention mask where it has no padding."""
     import torch
 
     if args.data:
@@ -90,17 +93,21 @@ def _batches(args, tokenizer_path: str, vocab: int, count: int):
         examples = load_examples(args.data, tok, args.seq)
         if len(examples) < count * args.batch:
             raise SystemExit(f"--data {args.data}: {len(examples)} examples, {count * args.batch} needed")
-        batches = [collate(examples[i * args.batch:(i + 1) * args.batch], tok.pad_token_id) for i in range(count)]
+        rows = [collate(examples[i * args.batch:(i + 1) * args.batch], tok.pad_token_id) for i in range(count)]
     else:
         gen = torch.Generator().manual_seed(0)
-        batches = []
+        rows = []
         for _ in range(count):
             ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
-            batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
-    for batch in batches:
-        if bool(batch["attention_mask"].all()):
+            rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    kept = []
+    for batch in rows:
+        batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        batch["tokens"] = int(batch["attention_mask"].sum())
+        if batch["tokens"] == batch["attention_mask"].numel():
             del batch["attention_mask"]  # full rows: the same as no mask
-    return [{k: v.cuda() for k, v in b.items()} for b in batches]
+        kept.append({k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()})
+    return kept
 
 
 def child(args) -> dict:
@@ -133,12 +140,13 @@ def child(args) -> dict:
         row["trainable_params"] = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
         row["stage"] = "data"
-        batches = _batches(args, args.model, model.config.vocab_size, args.steps)
+        data = batches(args, args.model, model.config.vocab_size, args.steps)
         row["load_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
         torch.cuda.reset_peak_memory_stats()
         row["stage"] = "step"
-        times, losses = [], []
-        for batch in batches:
+        times, losses, tokens = [], [], []
+        for batch in data:
+            tokens.append(batch.pop("tokens"))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = model(**batch)
@@ -148,9 +156,9 @@ def child(args) -> dict:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             losses.append(round(float(out.loss), 4))
-        steady = times[args.warmup:] or times
-        med = statistics.median(steady)
-        row.update(status="ok", median_step_s=round(med, 4), tokens_per_s=round(args.batch * args.seq / med, 1),
+        med = statistics.median(times[args.warmup:])
+        row.update(status="ok", median_step_s=round(med, 4),
+                   tokens_per_s=round(statistics.median(tokens[args.warmup:]) / med, 1),
                    step_times_s=[round(t, 4) for t in times], losses=losses)
         del row["stage"]
     except BaseException as exc:  # noqa: BLE001  (every failure is this row's answer, KeyboardInterrupt too)
@@ -257,6 +265,18 @@ def longest_ok(rows: list[dict]) -> int | None:
     return max((r["seq"] for r in rows if r.get("phase") == "longest" and r["status"] == "ok"), default=None)
 
 
+def extrapolated_longest(rows: list[dict], cap_gib: float) -> int | None:
+    """The sequence at which the probe's peak reserved GPU memory, a straight line through its two longest runs,
+    reaches the cap (a long step costs minutes, so the last doubling may not fit the budget); None without two."""
+    ok = sorted((r["seq"], r["peak_reserved_gib"]) for r in rows
+                if r.get("phase") == "longest" and r["status"] == "ok" and r.get("peak_reserved_gib") is not None)
+    if len(ok) < 2 or not cap_gib:
+        return None
+    (s1, m1), (s2, m2) = ok[-2:]
+    slope = (m2 - m1) / (s2 - s1)
+    return int(s2 + (cap_gib - m2) / slope) if slope > 0 else None
+
+
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table; a failed row shows its status and error line instead of numbers."""
     def num(row, key, fmt):
@@ -276,12 +296,14 @@ def table(rows: list[dict]) -> str:
 
 def report(args, rows: list[dict]) -> dict:
     result = {"args": {k: str(v) for k, v in vars(args).items() if k not in ("child",)}, "rows": rows,
-              "longest_ok_seq": longest_ok(rows), "child_env": CHILD_ENV}
+              "longest_ok_seq": longest_ok(rows), "child_env": CHILD_ENV,
+              "extrapolated_longest_seq": extrapolated_longest(rows, args.cap_gib)}
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     print()
     print(table(rows))
     if args.longest:
-        print(f"longest sequence Unsloth trained: {result['longest_ok_seq']}")
+        print(f"longest sequence Unsloth trained: {result['longest_ok_seq']} (under {args.cap_gib:g} GiB; peak "
+              f"reserved memory extrapolated linearly reaches the cap at {result['extrapolated_longest_seq']})")
     return result
 
 
@@ -290,8 +312,10 @@ DRY_ROWS = [
      "peak_alloc_gib": 9.0, "peak_reserved_gib": 10.0, "peak_host_rss_gib": 20.0, "load_s": 30.0,
      "step_times_s": [9.0, 0.5, 0.5]},
     {"system": "unsloth", "phase": "longest", "seq": 16384, "status": "ok", "median_step_s": 4.0,
-     "tokens_per_s": 4096.0, "peak_alloc_gib": 12.0, "step_times_s": [4.0]},
-    {"system": "unsloth", "phase": "longest", "seq": 32768, "status": "oom",
+     "tokens_per_s": 4096.0, "peak_alloc_gib": 12.0, "peak_reserved_gib": 14.0, "step_times_s": [4.0]},
+    {"system": "unsloth", "phase": "longest", "seq": 32768, "status": "ok", "median_step_s": 8.0,
+     "tokens_per_s": 4096.0, "peak_alloc_gib": 20.0, "peak_reserved_gib": 22.0, "step_times_s": [8.0]},
+    {"system": "unsloth", "phase": "longest", "seq": 65536, "status": "oom",
      "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"},
 ]
 

@@ -70,12 +70,13 @@ def test_the_longest_probe_doubles_until_a_length_fails_or_the_budget_ends():
 def test_dry_run_report_and_argument_errors(tmp_path, capsys):
     result = anchor.main(["--out", str(tmp_path), "--dry-run", "--longest"])
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["longest_ok_seq"] == result["longest_ok_seq"] == 16384
-    assert [r["status"] for r in saved["rows"]] == ["ok", "ok", "oom"]
+    assert saved["longest_ok_seq"] == result["longest_ok_seq"] == 32768
+    assert [r["status"] for r in saved["rows"]] == ["ok", "ok", "ok", "oom"]
+    assert saved["extrapolated_longest_seq"] == 32768 + (80 - 22) * 16384 // 8  # 8 GiB more per 16k tokens
     shown = capsys.readouterr().out
     assert "| seq-2k | 2,048 | ok | 0.500 | 4,096 | 9.00 |" in shown
-    assert "| longest | 32,768 | oom | - | - | - |" in shown and "CUDA out of memory" in shown
-    assert "longest sequence Unsloth trained: 16384" in shown
+    assert "| longest | 65,536 | oom | - | - | - |" in shown and "CUDA out of memory" in shown
+    assert "longest sequence Unsloth trained: 32768 (under 80 GiB; " in shown
     for argv, message in ((["--steps", "3", "--warmup", "3"], "leaves no timed step"),
                           (["--ckpt", str(tmp_path / "absent")], "no config.json")):
         with pytest.raises(SystemExit) as exc:
@@ -94,3 +95,23 @@ def test_speed_table_shows_a_failed_unsloth_row(tmp_path, capsys):
     assert "| transformers+peft+bnb | 0.500 | 4,096 |" in table
     saved = json.loads((tmp_path / "results.json").read_text())["results"]
     assert saved[1]["mfu"] is None and saved[1]["vs_reference"] is None and saved[0]["vs_reference"] == 1.0
+
+
+def test_batches_from_data_and_random_ids(tiny_models, tmp_path):
+    """The child's batches on the CPU: speed.py's examples tokenized as hf_reference.py does, the mask dropped only
+    where a batch has no padding, the real tokens counted; random ids of the full length without --data."""
+    model = tiny_models("llama")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": "Go.", "input": "", "output": text}) + "\n"
+                            for text in (" ".join("ab" * 40), "a b", " ".join("cd" * 40))))
+    args = Namespace(data=str(data), seq=32, batch=1)
+    full = anchor.batches(args, str(model), 512, 1, device="cpu")
+    assert list(full[0]) == ["input_ids", "labels", "tokens"] and full[0]["tokens"] == 32
+    assert full[0]["input_ids"].shape == (1, 32)
+    padded = anchor.batches(Namespace(**{**vars(args), "batch": 2}), str(model), 512, 1, device="cpu")[0]
+    assert padded["input_ids"].shape == (2, 32) and padded["tokens"] == int(padded["attention_mask"].sum()) < 64
+    with pytest.raises(SystemExit, match="3 examples, 4 needed"):
+        anchor.batches(Namespace(**{**vars(args), "batch": 2}), str(model), 512, 2, device="cpu")
+    noise = anchor.batches(Namespace(data=None, seq=48, batch=1), str(model), 512, 2, device="cpu")
+    assert [b["tokens"] for b in noise] == [48, 48] and "attention_mask" not in noise[0]
+    assert bool((noise[0]["labels"] == noise[0]["input_ids"]).all()) and int(noise[0]["input_ids"].max()) < 512
