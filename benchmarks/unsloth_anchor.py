@@ -216,7 +216,9 @@ def row_from_process(seq: int, returncode: int | None, stdout: str, log_tail: li
 def run_child(out: Path, ckpt: Path, seq: int, *, batch: int = 1, rank: int = 64, steps: int, warmup: int,
               data: str | None = None, cap_gib: float = 0, timeout_s: float, tag: str) -> dict:
     """One Unsloth run in a process of its own (log: out/unsloth-TAG.log); its row, printed as one JSON line."""
-    cmd = child_command(ckpt, seq, batch, rank, steps, warmup, data, cap_gib)
+    out = Path(out).resolve()  # the child runs in `out`: every path it is given must not depend on the caller's
+    data = str(Path(data).resolve()) if data else None
+    cmd = child_command(Path(ckpt).resolve(), seq, batch, rank, steps, warmup, data, cap_gib)
     log = out / f"unsloth-{tag}.log"
     started = time.perf_counter()
     with open(log, "w") as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import speed
@@ -24,9 +25,11 @@ def test_a_refusing_unsloth_is_its_row_with_the_error_line(tmp_path, monkeypatch
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text(REFUSING_UNSLOTH)
     monkeypatch.setenv("PYTHONPATH", str(stub.parent))
+    monkeypatch.chdir(tmp_path)  # relative paths, while the child runs in the output directory
     out = tmp_path / "out"
     out.mkdir()
-    row = anchor.run_child(out, tmp_path / "ckpt", 2048, steps=3, warmup=1, timeout_s=60, tag="t")
+    row = anchor.run_child(Path("out"), Path("ckpt"), 2048, steps=3, warmup=1, data="d.jsonl", timeout_s=60, tag="t")
+    assert f"--model {tmp_path / 'ckpt'} " in row["command"] and row["command"].endswith(f"--data {tmp_path}/d.jsonl")
     assert row["status"] == "failed" and row["stage"] == "import" and row["seq"] == 2048
     assert row["error"] == "NotImplementedError: Unsloth cannot find any torch accelerator? You need a GPU."
     detail = row["error_detail"]  # the child ran offline, with its compile cache under the output directory
