@@ -353,8 +353,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     if not args.out:
         p.error("--out DIR is required")
-    if args.warmup >= args.steps and not args.dry_run:
-        p.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    for warmup, steps, name in ((args.warmup, args.steps, ""), (args.longest_warmup, args.longest_steps, "longest-")):
+        if warmup >= steps:
+            p.error(f"--{name}warmup {warmup} leaves no timed step of --{name}steps {steps}")
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:

@@ -80,7 +80,8 @@ def test_dry_run_report_and_argument_errors(tmp_path, capsys):
     assert "| seq-2k | 2,048 | ok | 0.500 | 4,096 | 9.00 |" in shown
     assert "| longest | 65,536 | oom | - | - | - |" in shown and "CUDA out of memory" in shown
     assert "longest sequence Unsloth trained: 32768 (under 80 GiB; " in shown
-    for argv, message in ((["--steps", "3", "--warmup", "3"], "leaves no timed step"),
+    for argv, message in ((["--steps", "3", "--warmup", "3"], "--warmup 3 leaves no timed step of --steps 3"),
+                          (["--longest-warmup", "1"], "--longest-warmup 1 leaves no timed step of --longest-steps 1"),
                           (["--ckpt", str(tmp_path / "absent")], "no config.json")):
         with pytest.raises(SystemExit) as exc:
             anchor.main(["--out", str(tmp_path), *argv])
