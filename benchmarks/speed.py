@@ -1,11 +1,13 @@
 """Training speed on one GPU, qshard against the transformers + peft + bitsandbytes stack, in one invocation.
 
   python3 benchmarks/speed.py --out DIR [--seq 2048] [--batch 1] [--steps 15] [--warmup 5]
-                              [--systems qshard,qshard-compiled,qshard-eager,reference] [--qshard-args "..."]
+                              [--systems qshard,qshard-compiled,qshard-eager,reference,unsloth] [--qshard-args "..."]
 
 Builds the random-weight Llama-3-8B-shaped checkpoint (if absent) and a dataset of full-length examples,
 trains each system on exactly the same examples (LoRA r=64 alpha 16 on every block linear, NF4 base,
 activation checkpointing, AdamW, constant lr), each in a fresh process, and prints one table:
+(`unsloth`: benchmarks/unsloth_anchor.py's run, with Unsloth's own offloaded checkpointing; a failure of it, e.g.
+Unsloth refusing the machine, is its row with the error's line)
 
   median step time over the steps after warm-up, tok/s, MFU, peak allocated GPU memory, ratio to the reference,
   and the first step's time (for a compiled run: the compilation, or the caches' lookup when warm).
@@ -85,6 +87,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians (compilation, caches)")
     p.add_argument("--systems", default="qshard,qshard-compiled,reference")
     p.add_argument("--qshard-args", default="", help="extra options for every qshard run")
+    p.add_argument("--unsloth-timeout-s", type=float, default=300.0, help="limit of the unsloth run")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data = prepare_inputs(args)
@@ -108,6 +111,11 @@ def run_system(system: str, args, base: list[str], data: Path) -> dict:
     variants = {"qshard": [], "qshard-compiled": ["--parallel.compile", "true"],
                 "qshard-eager": ["--parallel.compile", "false"]}
     log = args.out / f"{system}.log"
+    if system == "unsloth":
+        from unsloth_anchor import run_child
+
+        return run_child(args.out, args.ckpt, args.seq, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                         data=str(data), timeout_s=args.unsloth_timeout_s, tag="speed")
     if system == "reference":
         cmd = [py, str(HERE / "hf_reference.py"), "--model", str(args.ckpt), "--data", str(data), "--seq",
                str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -130,8 +138,9 @@ def report_results(results: list[dict], args) -> None:
     per_token = flops_per_token(args)
     reference = next((r for r in results if r["system"] == "transformers+peft+bnb"), None)
     for r in results:
-        r["mfu"] = r["tokens_per_s"] * per_token / peak if peak else None
-        r["vs_reference"] = r["tokens_per_s"] / reference["tokens_per_s"] if reference else None
+        ok = r.get("tokens_per_s") is not None  # a failed unsloth row has no numbers
+        r["mfu"] = r["tokens_per_s"] * per_token / peak if peak and ok else None
+        r["vs_reference"] = r["tokens_per_s"] / reference["tokens_per_s"] if reference and ok else None
     report = {"device": device, "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
               "flops_per_token": per_token, "results": results,
               "torch": __import__("torch").__version__}
@@ -141,6 +150,9 @@ def report_results(results: list[dict], args) -> None:
     print("| system | median step (s) | tok/s | MFU | peak allocated GiB | vs reference | first step (s) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
+        if r.get("tokens_per_s") is None:
+            print(f"| {r['system']} | {r.get('status', 'failed')}: {r.get('error', '')} | - | - | - | - | - |")
+            continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
         ratio = f"{r['vs_reference']:.2f}x" if r["vs_reference"] else "-"
         first = f"{r['step_times_s'][0]:.1f}" if r.get("step_times_s") else "-"
