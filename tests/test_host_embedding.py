@@ -1,0 +1,109 @@
+"""model.embedding_on_host: the input embedding looked up on the host, outside every FSDP2 unit, trains as the
+embedding on the device does (SFT and DPO, one rank and two, with samples, evaluation and `qshard generate`), and
+is refused in one line where the embedding trains or is the head's weight."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from qshard.cli import main as cli_main
+
+ON = ("--model.embedding_on_host", "true")
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Chat records for SFT and pairs for DPO, a few of each, with held-out sets."""
+    root = tmp_path_factory.mktemp("host-embedding-data")
+    chats = [{"messages": [{"role": "user", "content": f"Count to {n}."},
+                           {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
+             for n in range(1, 9)]
+    pairs = [{"prompt": f"Reverse {w}.", "chosen": w[::-1] + " !!", "rejected": w[::-1] + " ??"}
+             for w in ("abc", "bcd", "cde", "def", "efg", "fgh", "ghi", "hij")]
+    _write_jsonl(root / "sft.jsonl", chats[:6])
+    _write_jsonl(root / "sft-eval.jsonl", chats[6:])
+    _write_jsonl(root / "dpo.jsonl", pairs[:6])
+    _write_jsonl(root / "dpo-eval.jsonl", pairs[6:])
+    return root
+
+
+def _args(model_dir: Path, data: Path, out: Path, objective: str, *extra: str) -> list[str]:
+    name = "sft" if objective == "sft" else "dpo"
+    return ["train", "--model", str(model_dir), "--data", str(data / f"{name}.jsonl"), "--eval-data",
+            str(data / f"{name}-eval.jsonl"), "--output-dir", str(out), "--train.objective", objective,
+            "--max-length", "32", "--batch-size", "2", "--lr", "3e-2", "--max-steps", "3", "--train.precision",
+            "fp32", "--optim.warmup_steps", "0", "--train.eval_every", "3", "--data.cache_dir",
+            str(data / "cache"), *extra]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out: Path) -> list[float]:
+    return [r[k] for r in _records(out) for k in ("loss", "eval_loss") if k in r]
+
+
+def _watch(run) -> dict:
+    """Count the decoder's training and evaluation calls by what they were given, and note where the built
+    model keeps its embedding."""
+    model = run.model
+    seen = {"input_ids": 0, "inputs_embeds": 0}
+
+    def count(_module, _args, kwargs):
+        if kwargs.get("use_cache"):  # generation (samples) passes ids, one token at a time
+            return
+        for key in ("input_ids", "inputs_embeds"):
+            seen[key] += kwargs.get(key) is not None
+
+    model.base_model.register_forward_pre_hook(count, with_kwargs=True)
+    embed = model.get_input_embeddings()
+    # Every parameter an FSDP2 unit holds is a DTensor (the root's too): a plain tensor is in none.
+    seen["embed_in_unit"] = isinstance(embed, FSDPModule) or isinstance(embed.weight, DTensor)
+    seen["embed_device"] = embed.weight.device.type
+    seen["head_in_unit"] = isinstance(model.get_output_embeddings(), FSDPModule) or \
+        isinstance(model.get_output_embeddings().weight, DTensor)
+    return seen
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_one_rank_trains_as_the_embedding_on_the_device(objective, tiny_models, data, tmp_path, monkeypatch):
+    """Same losses (fp32) with and without the option; with it the decoder gets the rows (never the ids) in
+    training, evaluation and the reference pass, and the embedding is a plain host tensor in no FSDP2 unit. The
+    SFT run samples at its evaluation and `qshard generate` runs on it (the ids then go through the module)."""
+    from qshard.train import run as run_mod
+
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    watched = {}
+    build = run_mod._build
+
+    def kept(*a, **k):
+        run = build(*a, **k)
+        watched["seen"] = _watch(run)
+        return run
+
+    assert cli_main(_args(model_dir, data, tmp_path / "off", objective)) == 0
+    watched_off = watched.pop("seen", None)
+    monkeypatch.setattr(run_mod, "_build", kept)
+    assert cli_main(_args(model_dir, data, tmp_path / "on", objective, *ON)) == 0
+    seen = watched["seen"]
+    torch.testing.assert_close(_losses(tmp_path / "on"), _losses(tmp_path / "off"), rtol=1e-6, atol=1e-6)
+    assert len(_losses(tmp_path / "on")) == 3 + 1  # three steps, held-out after the last
+    assert seen["input_ids"] == 0 and seen["inputs_embeds"] > 0, seen
+    assert not seen["embed_in_unit"] and seen["embed_device"] == "cpu", seen
+    assert watched_off is None  # the run without the option was built before the watch
+    if objective == "sft":
+        assert (tmp_path / "on" / "samples.jsonl").read_text() == (tmp_path / "off" / "samples.jsonl").read_text()
+        assert cli_main(["generate", "--run", str(tmp_path / "on"), "--prompt", "Count to 3.",
+                         "--max-new-tokens", "3"]) == 0
