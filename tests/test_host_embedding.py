@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_on_ranks
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -107,3 +108,37 @@ def test_one_rank_trains_as_the_embedding_on_the_device(objective, tiny_models, 
         assert (tmp_path / "on" / "samples.jsonl").read_text() == (tmp_path / "off" / "samples.jsonl").read_text()
         assert cli_main(["generate", "--run", str(tmp_path / "on"), "--prompt", "Count to 3.",
                          "--max-new-tokens", "3"]) == 0
+
+
+def test_two_ranks_train_as_the_embedding_on_the_device(tiny_models, data, tmp_path):
+    """World size 2 (gloo): each rank looks its rows up in its own host copy; the SFT and DPO losses are those of
+    the same runs with the embedding in its FSDP2 unit."""
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    runs = {f"{objective}-{name}": _args(model_dir, data, tmp_path / f"{objective}-{name}", objective, *extra)
+            for objective in ("sft", "dpo") for name, extra in (("off", ()), ("on", ON))}
+    ranks = run_on_ranks(runs)
+    for name, results in ranks.items():
+        assert [r.code for r in results] == [0, 0], (name, results[0].stderr, results[1].stderr)
+    for objective in ("sft", "dpo"):
+        on, off = _losses(tmp_path / f"{objective}-on"), _losses(tmp_path / f"{objective}-off")
+        assert len(on) == 3 + 1
+        torch.testing.assert_close(on, off, rtol=1e-6, atol=1e-6)
+        assert "input embedding looked up on the host" in ranks[f"{objective}-on"][0].stderr
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--train.train_type", "full"), "model.embedding_on_host: train.train_type full trains the input embedding"),
+    (("--lora.modules_to_save", "embed_tokens"), "model.embedding_on_host: lora.modules_to_save trains the input"),
+    ((), "model.embedding_on_host: the input embedding is tied to the output head (tie_word_embeddings)"),
+], ids=["full", "modules_to_save", "tied"])
+def test_refused_where_the_embedding_trains_or_is_the_head(extra, says, tiny_models, data, tmp_path, capsys):
+    tied = not extra
+    model_dir = tiny_models("llama", num_hidden_layers=1, tie_word_embeddings=tied)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert cli_main(_args(model_dir, data, out, "sft", *ON, *extra)) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "qshard: error:" in line]
+    assert len(errors) == 1 and says in errors[0], err
+    assert "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())  # nothing written that looks like a run
