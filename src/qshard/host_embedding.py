@@ -8,7 +8,7 @@ trainer looks each batch's rows up on the host while the device runs the step be
 from `Trainer._to_device`), and the model is called with `inputs_embeds` (data/batching.py, `model_inputs`).
 The module itself does the lookup, so an embedding that scales its output (Gemma 3's) stays right. Calls that
 pass token ids on the device (generation, one token at a time) still work: the module copies them to the host
-and its rows back (`_looked_up_on_host`).
+and its rows back (`_looked_up_where_held`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class HostEmbedding:
         reason = _kept_on_device(model, embed, cfg)
         if reason:
             raise QShardError(f"model.embedding_on_host: {reason}; set model.embedding_on_host: false")
-        embed.forward = _looked_up_on_host(embed.forward)
+        embed.forward = _looked_up_where_held(embed)
         record = HostEmbedding(embed, dtype)
         setattr(model, _ATTRIBUTE, record)
         return record
@@ -82,16 +82,18 @@ def _kept_on_device(model: nn.Module, embed: nn.Module, cfg: Config) -> str | No
     return None
 
 
-def _looked_up_on_host(forward):
-    """`forward` of an embedding whose weight is in host memory, taking ids from any device: ids elsewhere are
-    copied to the host and their rows back to the ids' device (a synchronizing copy of a few ids, as generation
-    makes; the training step passes the rows themselves, looked up ahead)."""
+def _looked_up_where_held(embed: nn.Module):
+    """`embed.forward` taking ids from any device: ids on another device than its weight (in host memory) are
+    copied there and their rows back to the ids' device (a synchronizing copy of a few ids, as generation makes;
+    the training step passes the rows themselves, looked up ahead)."""
+    forward = embed.forward
 
     @functools.wraps(forward)
     def lookup(ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if ids.device == HOST:
+        held = embed.weight.device
+        if ids.device == held:
             return forward(ids, *args, **kwargs)
-        return forward(ids.to(HOST), *args, **kwargs).to(ids.device)
+        return forward(ids.to(held), *args, **kwargs).to(ids.device)
 
     return lookup
 
