@@ -160,3 +160,31 @@ def test_plan_moves_the_embedding_from_each_gpu_to_the_host(capsys):
     assert on["parts"]["embedding and head"] == pytest.approx(off["parts"]["embedding and head"] - embedding / 2,
                                                               abs=0.01), (on["parts"], off["parts"])
     assert on["peak_gpu_gib"] < off["peak_gpu_gib"]
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_loader_reads_the_embedding_into_host_memory_only(staged, tiny_models):
+    """The host embedding's checkpoint tensor is handed to the store in host memory, never on the device (here
+    `meta`, which stands for one), read whole or through the staging ring; the other tensors go to the device."""
+    from qshard.build import skeleton
+    from qshard.config import resolve
+    from qshard.host_embedding import host_tensor_names
+    from qshard.loading import Checkpoint
+    from qshard.loading.read_ahead import ReadOptions, _ReadAhead
+
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    cfg = resolve(None, [("model.path", str(model_dir)), ("model.embedding_on_host", "true")])
+    host = host_tensor_names(skeleton(cfg, model_dir, 1, torch.device("cpu")).model)
+    assert host == {"model.embed_tokens.weight"}
+    checkpoint = Checkpoint(model_dir)
+    names = sorted(checkpoint.names())
+    options = ReadOptions(threads=2, in_flight_bytes=1 << 16, piece_bytes=1 << 12, staged=staged)
+    try:
+        with _ReadAhead(checkpoint, names, torch.device("meta"), options, host) as reads:
+            got = {name: reads.take(i) for i, name in enumerate(names)}
+        assert {n for n, t in got.items() if t.device.type == "cpu"} == host
+        assert all(t.device.type == "meta" for n, t in got.items() if n not in host)
+        torch.testing.assert_close(got["model.embed_tokens.weight"], checkpoint.read("model.embed_tokens.weight"),
+                                   rtol=0, atol=0)
+    finally:
+        checkpoint.close()

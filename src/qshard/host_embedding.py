@@ -135,6 +135,12 @@ def buffers_on_host(model: nn.Module) -> None:
                 module._buffers[name] = buf.to(HOST)
 
 
+def host_tensor_names(model: nn.Module) -> frozenset[str]:
+    """The host embedding's parameter names (those of the checkpoint's tensors the loader reads into host memory)."""
+    kept = {id(p) for m in host_modules(model) for p in m.parameters()}
+    return frozenset(n for n, p in model.named_parameters() if id(p) in kept)
+
+
 def with_input_embeddings(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A host batch with, beside each of its token id tensors (`input_ids`, and KTO's `mismatched_input_ids`),
     their embedding rows (`inputs_embeds`, ...) looked up on the host; the batch as it is without a host
