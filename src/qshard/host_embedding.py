@@ -142,9 +142,9 @@ def host_tensor_names(model: nn.Module) -> frozenset[str]:
 
 
 def with_input_embeddings(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A host batch with, beside each of its token id tensors (`input_ids`, and KTO's `mismatched_input_ids`),
-    their embedding rows (`inputs_embeds`, ...) looked up on the host; the batch as it is without a host
-    embedding. The ids stay: labels and counts read them."""
+    """A host batch with, beside each of its token id tensors (`input_ids`, and KTO's mismatched rows'
+    `kl.input_ids`), their embedding rows (`inputs_embeds`, `kl.inputs_embeds`) looked up on the host; the batch
+    as it is without a host embedding. The ids stay: labels and counts read them."""
     record = HostEmbedding.of(model)
     if record is None:
         return batch
