@@ -25,7 +25,7 @@ def _write_jsonl(path: Path, records: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    """Chat records for SFT and pairs for DPO, a few of each, with held-out sets."""
+    """Chat records for SFT, pairs for DPO and the same as unpaired examples for KTO, with held-out sets."""
     root = tmp_path_factory.mktemp("host-embedding-data")
     chats = [{"messages": [{"role": "user", "content": f"Count to {n}."},
                            {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
@@ -36,11 +36,15 @@ def data(tmp_path_factory) -> Path:
     _write_jsonl(root / "sft-eval.jsonl", chats[6:])
     _write_jsonl(root / "dpo.jsonl", pairs[:6])
     _write_jsonl(root / "dpo-eval.jsonl", pairs[6:])
+    kto = [{"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"} for p in pairs
+           for key in ("chosen", "rejected")]
+    _write_jsonl(root / "kto.jsonl", kto[:12])
+    _write_jsonl(root / "kto-eval.jsonl", kto[12:])
     return root
 
 
 def _args(model_dir: Path, data: Path, out: Path, objective: str, *extra: str) -> list[str]:
-    name = "sft" if objective == "sft" else "dpo"
+    name = objective if objective in ("sft", "kto") else "dpo"
     return ["train", "--model", str(model_dir), "--data", str(data / f"{name}.jsonl"), "--eval-data",
             str(data / f"{name}-eval.jsonl"), "--output-dir", str(out), "--train.objective", objective,
             "--max-length", "32", "--batch-size", "2", "--lr", "3e-2", "--max-steps", "3", "--train.precision",
@@ -78,11 +82,12 @@ def _watch(run) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("objective", ["sft", "dpo"])
+@pytest.mark.parametrize("objective", ["sft", "dpo", "kto"])
 def test_one_rank_trains_as_the_embedding_on_the_device(objective, tiny_models, data, tmp_path, monkeypatch):
     """Same losses (fp32) with and without the option; with it the decoder gets the rows (never the ids) in
-    training, evaluation and the reference pass, and the embedding is a plain host tensor in no FSDP2 unit. The
-    SFT run samples at its evaluation and `qshard generate` runs on it (the ids then go through the module)."""
+    training, evaluation, the reference pass and KTO's mismatched rows, and the embedding is a plain host tensor
+    in no FSDP2 unit. The SFT run samples at its evaluation and `qshard generate` runs on it (the ids then go
+    through the module)."""
     from qshard.train import run as run_mod
 
     model_dir = tiny_models("llama", num_hidden_layers=1)
