@@ -16,6 +16,7 @@ from qshard import loading, models, vocab
 from qshard.config import DORA_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.hf_config import load_hf_config, refuse_model_code
+from qshard.host_embedding import HostEmbedding, buffers_on_host, materialize_on_host, set_aside
 from qshard.loading.hub import HubModel, has_weights, hub_model, resolve, resolve_on_nodes
 from qshard.models import SwapReport
 from qshard.parallel.compile import decide_compile
@@ -144,6 +145,7 @@ def skeleton(cfg: Config, model_dir: str | Path | None, world_size: int, device:
     _check_resident_blocks(cfg, blocks)
     report = models.prepare_modules(model, blocks, cfg)
     vocab.train_in_full(model, blocks, cfg)
+    HostEmbedding.attach(model, cfg, precision(cfg).compute)  # model.embedding_on_host
     vocab.check_new_tokens_trained(model, cfg)
     models.check_adapter_memory(model, cfg, world_size, models.machine_memory(device))
     return Skeleton(model, blocks, report, base_params)
@@ -203,6 +205,10 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
     mesh = build_mesh(cfg, env)
     with models.allocation_errors(model, cfg, env.device):  # resident blocks' storage (parallel.resident_blocks)
         how = parallelize(model, blocks, mesh, cfg)
+    host = HostEmbedding.of(model)
+    if host is not None and env.is_main:
+        log.info("input embedding looked up on the host (model.embedding_on_host): %.2f GiB of host memory per rank, "
+                 "none on the GPU", host.nbytes() / 2**30)
     if report.quantized and env.is_main:
         where = {"fsdp": "sharded by FSDP2", "dtensor": "sharded by DTensor buffers", "in_place": "used in place "
                  "(one device: the blocks that hold it have no FSDP2 units)"}[how]
@@ -212,7 +218,9 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
     # the GPU when gathering it): they are materialized there and the loader writes each rank's rows into them
     # from the device the weights were quantized on. Buffers (rotary frequencies) are computed with, on the GPU.
     with models.allocation_errors(model, cfg, env.device):
-        model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else env.device)
+        with set_aside(model):  # an embedding looked up on the host never takes GPU memory
+            model.to_empty(device=torch.device("cpu") if cfg.parallel.cpu_offload else env.device)
+        materialize_on_host(model)
         for module in resident_embedding_and_head(model, cfg.parallel):  # their units do not offload
             module.to_empty(device=env.device)
     models.restore_buffers(model, buffers, env.device)
@@ -221,6 +229,7 @@ def build_model(cfg: Config, env: DistEnv, model_dir: str | Path | None,
         loading.init_adapters(model, cfg.train.seed)  # each adapter in full, on the host, before it is sharded
     if cfg.parallel.cpu_offload:
         models.buffers_to(model, env.device)  # any loaded (persistent) buffer: computed with, on the GPU
+    buffers_on_host(model)
     return model, report
 
 

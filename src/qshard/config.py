@@ -57,6 +57,9 @@ class ModelConfig:
     load_mode: Literal["each_rank", "broadcast"] = "each_rank"
     # The Hub id's revision (branch, tag or commit) when model.path is a Hub id; empty: its default branch.
     revision: str | None = None
+    # Look the input embedding up on the host, from a host copy of its weight, instead of keeping it on the GPU
+    # (host_embedding.py): LoRA/QLoRA/DoRA with an untied, frozen embedding only.
+    embedding_on_host: bool = False
 
 
 # lora.init: peft's init_lora_weights names; pissa_niter_N for the iteration counts in use (peft's docs use 4 and 16).

@@ -144,5 +144,7 @@ def input_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's keyword arguments from a collated batch."""
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    """The model's keyword arguments from a collated batch: its tokens' embedding rows where the batch has them
+    (model.embedding_on_host: looked up on the host, host_embedding.py), else its token ids."""
+    tokens = "inputs_embeds" if "inputs_embeds" in batch else "input_ids"
+    return {k: batch[k] for k in (tokens, "attention_mask", "position_ids") if k in batch}

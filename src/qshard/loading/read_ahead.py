@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from qshard.errors import QShardError
+from qshard.host_embedding import HOST, host_tensor_names
 from qshard.loading.plan import load_plan
 from qshard.loading.weight_files import SafetensorsFile
 
@@ -185,8 +186,9 @@ class _ReadAhead:
     host tensor that is then stored. Reads start in plan order, and only this thread starts them: before it
     waits for a tensor and after each it takes (no locks; the threads only read)."""
 
-    def __init__(self, source, names: list[str], device: torch.device, options: ReadOptions) -> None:
-        self.source, self.device, self.options = source, device, options
+    def __init__(self, source, names: list[str], device: torch.device, options: ReadOptions,
+                 host: frozenset[str] = frozenset()) -> None:
+        self.source, self.device, self.options, self.host = source, device, options, host
         self.jobs = [self._job(name) for name in names]
         self.staged = options.staged and any(job.pieces for job in self.jobs)
         self._pool = ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="qshard-read")
@@ -256,11 +258,12 @@ class _ReadAhead:
             self._next += 1
 
     def take(self, i: int) -> torch.Tensor:
-        """Plan tensor i, full, on the device; call for i = 0, 1, ... in turn."""
+        """Plan tensor i, full, on the device (in host memory if named in `host`); call for i = 0, 1, ... in turn."""
         job = self.jobs[i]
+        target = HOST if job.name in self.host else self.device
         self._start()  # nothing is ahead of job i any more: its reads can start, whatever their size
         if self._staged(job):
-            full = torch.empty(job.shape, dtype=job.dtype, device=self.device)
+            full = torch.empty(job.shape, dtype=job.dtype, device=target)
             flat = full.reshape(-1).view(torch.uint8)
             for k, (*_, length, offset) in enumerate(job.pieces):
                 if len(job.reads) == k:
@@ -278,7 +281,7 @@ class _ReadAhead:
             del results
             self._ahead -= job.nbytes
             self._start()  # the next tensors are read while this one is stored
-            full = full.to(self.device)
+            full = full.to(target)
         job.reads, job.slots, job.out = [], [], None
         return full
 
@@ -288,8 +291,9 @@ class _OneAhead:
     tensor whole: the next one is read on a helper thread while this one is stored, or, when the source's reads
     must stay on this thread in plan order (collectives: `prefetch = False`), here."""
 
-    def __init__(self, source: TensorSource, names: list[str], device: torch.device) -> None:
-        self.source, self.names, self.device = source, names, device
+    def __init__(self, source: TensorSource, names: list[str], device: torch.device,
+                 host: frozenset[str] = frozenset()) -> None:
+        self.source, self.names, self.device, self.host = source, names, device, host
         threaded = getattr(source, "prefetch", True)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qshard-read") if threaded else None
         self._pending = None
@@ -313,7 +317,7 @@ class _OneAhead:
         pending = self._fetch(i) if self._pending is None else self._pending
         full = pending.result()
         self._pending = self._fetch(i + 1)  # read while this one is stored
-        return full.to(self.device)
+        return full.to(HOST if self.names[i] in self.host else self.device)
 
 
 def load_weights(model: nn.Module, source: TensorSource, device: torch.device,
@@ -328,10 +332,11 @@ def load_weights(model: nn.Module, source: TensorSource, device: torch.device,
     device = torch.device(device)
     plan = load_plan(model)
     names = [name for name, _ in plan]
+    host = host_tensor_names(model)  # model.embedding_on_host: read into host memory, never onto the device
     if hasattr(source, "segments") and getattr(source, "prefetch", True):
-        reads = _ReadAhead(source, names, device, options or ReadOptions.for_device(device))
+        reads = _ReadAhead(source, names, device, options or ReadOptions.for_device(device), host)
     else:
-        reads = _OneAhead(source, names, device)
+        reads = _OneAhead(source, names, device, host)
     freed = 0
     finite = _FiniteCheck(names, device)
     with reads:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from qshard.adapters import LoRALinear
 from qshard.config import Config, ParallelConfig, checkpoint_trace_unmet
 from qshard.errors import QShardError
+from qshard.host_embedding import host_modules
 from qshard.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from qshard.parallel.compile import compile_blocks
 from qshard.parallel.mesh import local_piece, shard_placements
@@ -178,14 +179,15 @@ def shard_embedding_and_head(model: nn.Module, mesh: DeviceMesh, parallel: Paral
                              prec: Precision) -> list[nn.Module]:
     """Units of their own for an untied embedding and head, so that neither holds a gathered copy for the
     whole step; on one device, a frozen one that the policy would not cast is used in place instead, like the
-    quantized blocks (`frozen_uncast`). Returns the modules used in place."""
+    quantized blocks (`frozen_uncast`). An embedding looked up on the host (host_embedding.py) gets no unit
+    either. Returns the modules used in place."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None or head.weight is embed.weight:
         # A tied pair stays in one unit, the root (materialized outside FSDP2, its two modules would get a
         # parameter each).
         return []
     mp, offload = prec.mp_policy(), offload_policy(parallel)
-    kept = kept_embedding_and_head(model, mesh.size(), parallel, prec)
+    kept = [*kept_embedding_and_head(model, mesh.size(), parallel, prec), *host_modules(model)]
     resident = resident_embedding_and_head(model, parallel)
     # The embedding is needed in its forward only (and in backward only if it trains); the head stays gathered
     # from forward into backward, which begins with it, and the chunked loss reads its weight (train/loss.py).
@@ -204,7 +206,8 @@ def resident_embedding_and_head(model: nn.Module, parallel: ParallelConfig) -> l
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if not parallel.cpu_offload or head is None or head.weight is embed.weight:
         return []
-    return [m for m in (embed, head) if not any(p.requires_grad for p in m.parameters())]
+    on_host = host_modules(model)  # never on the GPU
+    return [m for m in (embed, head) if not any(p.requires_grad for p in m.parameters()) and m not in on_host]
 
 
 def kept_embedding_and_head(model: nn.Module, world_size: int, parallel: ParallelConfig,
@@ -215,7 +218,8 @@ def kept_embedding_and_head(model: nn.Module, world_size: int, parallel: Paralle
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None or head.weight is embed.weight or world_size != 1:
         return []
-    return [m for m in (embed, head) if frozen_uncast(m, prec.mp_policy())]
+    on_host = host_modules(model)  # used in place too, but from host memory
+    return [m for m in (embed, head) if frozen_uncast(m, prec.mp_policy()) and m not in on_host]
 
 
 def frozen_uncast(module: nn.Module, mp: MixedPrecisionPolicy) -> bool:

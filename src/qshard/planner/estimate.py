@@ -369,6 +369,8 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
         "offloaded weights (pinned)": pinned * ranks,
         "offloaded gradients": sum(p.stored_bytes for p in trained) * ranks,
         "offloaded AdamW state": (sizes.optimizer if sizes.on_host else 0) * ranks,
+        # model.embedding_on_host: each rank's own copy of the input embedding, in pageable memory.
+        "input embedding": sum(p.stored_bytes for p in plans if p.on_host and p.holder == "in_place") * ranks,
         "offloaded activations (pinned)": offloaded_acts * ranks,
         # The tokenized data is memory-mapped (data/store.py): page cache, not the process's. What is its own:
         # a step's batch and the next one prefetched, ids, labels and positions as int64, pinned on CUDA.
@@ -377,7 +379,8 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
     # Loading: each rank's offloaded shards exist from the start, and a checkpoint's tensors pass through the
     # read-ahead's ring of pinned buffers (loading/read_ahead.py); random weights are generated on the GPU.
     ring = 0 if random_init(cfg) else CUDA_STAGING_BYTES
-    loading = parts["process and libraries"] + parts["offloaded weights (pinned)"] + ring * ranks
+    loading = parts["process and libraries"] + parts["offloaded weights (pinned)"] + parts["input embedding"] + \
+        ring * ranks
     return parts, loading
 
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from qshard.build import Skeleton
 from qshard.config import Config
+from qshard.host_embedding import host_modules
 from qshard.parallel.fsdp import in_place_blocks, kept_embedding_and_head, resident_embedding_and_head
 from qshard.parallel.mesh import replicate_degree
 from qshard.parallel.offload import _ALIGN, storage_groups
@@ -39,7 +40,8 @@ class TensorPlan:
     local_rows: int  # this rank's rows of dim 0
     stored_rows: int  # the rows its storage holds (FSDP2 pads to the chunk)
     trainable: bool
-    on_host: bool  # cpu_offload: the shard (and gradient and optimizer state) lives in host memory
+    on_host: bool  # cpu_offload: the shard (and gradient and optimizer state) lives in host memory; or the
+    # embedding looked up on the host (model.embedding_on_host), whole, on every rank
 
     @property
     def row_bytes(self) -> int:
@@ -97,6 +99,8 @@ def tensor_layout(model: Skeleton, cfg: Config, world_size: int, rank: int = 0) 
     kept = kept_embedding_and_head(model.model, world_size, cfg.parallel, precision(cfg))
     in_place |= {id(p) for m in kept for p in m.parameters()}
     resident = {id(p) for m in resident_embedding_and_head(model.model, cfg.parallel) for p in m.parameters()}
+    host = {id(p) for m in host_modules(model.model) for p in m.parameters()}  # model.embedding_on_host: whole
+    in_place |= host
     groups = storage_groups(model.model, model.blocks, cfg.parallel.resident_blocks)  # as parallel/offload.py
     resident |= {id(getattr(m, name)) for layers, kept in groups if kept for m in layers for name in m.STORAGE}
     storage = _storage_ids(model.model) if cfg.parallel.quant_sharding == "dtensor" else set()
@@ -112,7 +116,8 @@ def tensor_layout(model: Skeleton, cfg: Config, world_size: int, rank: int = 0) 
             stored = chunk if holder == "fsdp" else local
         plans.append(TensorPlan(name, parts.get(id(param), "frozen"), holder, param.dtype, tuple(param.shape),
                                 local, stored, param.requires_grad,
-                                cfg.parallel.cpu_offload and holder != "in_place" and id(param) not in resident))
+                                id(param) in host or
+                                (cfg.parallel.cpu_offload and holder != "in_place" and id(param) not in resident)))
     return plans
 
 
@@ -177,4 +182,4 @@ def state_sizes(plans: list[TensorPlan]) -> StateSizes:
     trained = [p for p in plans if p.trainable]
     grads = sum(p.stored_bytes for p in trained)
     optimizer = sum(p.local_bytes for p in trained) * len(ADAM_STATES) + 4 * len(trained)
-    return StateSizes(weights, host, grads, optimizer, any(p.on_host for p in plans))
+    return StateSizes(weights, host, grads, optimizer, any(p.on_host for p in trained))

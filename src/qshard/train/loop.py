@@ -14,6 +14,7 @@ import torch.nn as nn
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, for_epoch, input_tokens
+from qshard.host_embedding import with_input_embeddings
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
@@ -364,6 +365,7 @@ class Trainer:
         batch["loss_positions"] = loss_positions(batch["labels"])
         if "attention_mask" in batch and bool(batch["attention_mask"].all()):
             del batch["attention_mask"]
+        batch = with_input_embeddings(self.model, batch)  # model.embedding_on_host: the rows, looked up here
         return {k: self._on_device(v) for k, v in batch.items()}
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:

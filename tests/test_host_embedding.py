@@ -1,0 +1,195 @@
+"""model.embedding_on_host: the input embedding looked up on the host, outside every FSDP2 unit, trains as the
+embedding on the device does (SFT and DPO, one rank and two, with samples, evaluation and `qshard generate`), and
+is refused in one line where the embedding trains or is the head's weight."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_on_ranks
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from qshard.cli import main as cli_main
+
+ON = ("--model.embedding_on_host", "true")
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Chat records for SFT, pairs for DPO and the same as unpaired examples for KTO, with held-out sets."""
+    root = tmp_path_factory.mktemp("host-embedding-data")
+    chats = [{"messages": [{"role": "user", "content": f"Count to {n}."},
+                           {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
+             for n in range(1, 9)]
+    pairs = [{"prompt": f"Reverse {w}.", "chosen": w[::-1] + " !!", "rejected": w[::-1] + " ??"}
+             for w in ("abc", "bcd", "cde", "def", "efg", "fgh", "ghi", "hij")]
+    _write_jsonl(root / "sft.jsonl", chats[:6])
+    _write_jsonl(root / "sft-eval.jsonl", chats[6:])
+    _write_jsonl(root / "dpo.jsonl", pairs[:6])
+    _write_jsonl(root / "dpo-eval.jsonl", pairs[6:])
+    kto = [{"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"} for p in pairs
+           for key in ("chosen", "rejected")]
+    _write_jsonl(root / "kto.jsonl", kto[:12])
+    _write_jsonl(root / "kto-eval.jsonl", kto[12:])
+    return root
+
+
+def _args(model_dir: Path, data: Path, out: Path, objective: str, *extra: str) -> list[str]:
+    name = objective if objective in ("sft", "kto") else "dpo"
+    return ["train", "--model", str(model_dir), "--data", str(data / f"{name}.jsonl"), "--eval-data",
+            str(data / f"{name}-eval.jsonl"), "--output-dir", str(out), "--train.objective", objective,
+            "--max-length", "32", "--batch-size", "2", "--lr", "3e-2", "--max-steps", "3", "--train.precision",
+            "fp32", "--optim.warmup_steps", "0", "--train.eval_every", "3", "--data.cache_dir",
+            str(data / "cache"), *extra]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out: Path) -> list[float]:
+    return [r[k] for r in _records(out) for k in ("loss", "eval_loss") if k in r]
+
+
+def _watch(run) -> dict:
+    """Count the decoder's training and evaluation calls by what they were given, and note where the built
+    model keeps its embedding."""
+    model = run.model
+    seen = {"input_ids": 0, "inputs_embeds": 0}
+
+    def count(_module, _args, kwargs):
+        if kwargs.get("use_cache"):  # generation (samples) passes ids, one token at a time
+            return
+        for key in ("input_ids", "inputs_embeds"):
+            seen[key] += kwargs.get(key) is not None
+
+    model.base_model.register_forward_pre_hook(count, with_kwargs=True)
+    embed = model.get_input_embeddings()
+    # Every parameter an FSDP2 unit holds is a DTensor (the root's too): a plain tensor is in none.
+    seen["embed_in_unit"] = isinstance(embed, FSDPModule) or isinstance(embed.weight, DTensor)
+    seen["embed_device"] = embed.weight.device.type
+    seen["head_in_unit"] = isinstance(model.get_output_embeddings(), FSDPModule) or \
+        isinstance(model.get_output_embeddings().weight, DTensor)
+    return seen
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo", "kto"])
+def test_one_rank_trains_as_the_embedding_on_the_device(objective, tiny_models, data, tmp_path, monkeypatch):
+    """Same losses (fp32) with and without the option; with it the decoder gets the rows (never the ids) in
+    training, evaluation, the reference pass and KTO's mismatched rows, and the embedding is a plain host tensor
+    in no FSDP2 unit. The SFT run samples at its evaluation and `qshard generate` runs on it (the ids then go
+    through the module)."""
+    from qshard.train import run as run_mod
+
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    watched = {}
+    build = run_mod._build
+
+    def kept(*a, **k):
+        run = build(*a, **k)
+        watched["seen"] = _watch(run)
+        return run
+
+    assert cli_main(_args(model_dir, data, tmp_path / "off", objective)) == 0
+    watched_off = watched.pop("seen", None)
+    monkeypatch.setattr(run_mod, "_build", kept)
+    assert cli_main(_args(model_dir, data, tmp_path / "on", objective, *ON)) == 0
+    seen = watched["seen"]
+    torch.testing.assert_close(_losses(tmp_path / "on"), _losses(tmp_path / "off"), rtol=1e-6, atol=1e-6)
+    assert len(_losses(tmp_path / "on")) == 3 + 1  # three steps, held-out after the last
+    assert seen["input_ids"] == 0 and seen["inputs_embeds"] > 0, seen
+    assert not seen["embed_in_unit"] and seen["embed_device"] == "cpu", seen
+    assert watched_off is None  # the run without the option was built before the watch
+    if objective == "sft":
+        assert (tmp_path / "on" / "samples.jsonl").read_text() == (tmp_path / "off" / "samples.jsonl").read_text()
+        assert cli_main(["generate", "--run", str(tmp_path / "on"), "--prompt", "Count to 3.",
+                         "--max-new-tokens", "3"]) == 0
+
+
+def test_two_ranks_train_as_the_embedding_on_the_device(tiny_models, data, tmp_path):
+    """World size 2 (gloo): each rank looks its rows up in its own host copy; the SFT and DPO losses are those of
+    the same runs with the embedding in its FSDP2 unit."""
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    runs = {f"{objective}-{name}": _args(model_dir, data, tmp_path / f"{objective}-{name}", objective, *extra)
+            for objective in ("sft", "dpo") for name, extra in (("off", ()), ("on", ON))}
+    ranks = run_on_ranks(runs)
+    for name, results in ranks.items():
+        assert [r.code for r in results] == [0, 0], (name, results[0].stderr, results[1].stderr)
+    for objective in ("sft", "dpo"):
+        on, off = _losses(tmp_path / f"{objective}-on"), _losses(tmp_path / f"{objective}-off")
+        assert len(on) == 3 + 1
+        torch.testing.assert_close(on, off, rtol=1e-6, atol=1e-6)
+        assert "input embedding looked up on the host" in ranks[f"{objective}-on"][0].stderr
+
+
+@pytest.mark.parametrize("extra, says", [
+    (("--train.train_type", "full"), "model.embedding_on_host: train.train_type full trains the input embedding"),
+    (("--lora.modules_to_save", "embed_tokens"), "model.embedding_on_host: lora.modules_to_save trains the input"),
+    ((), "model.embedding_on_host: the input embedding is tied to the output head (tie_word_embeddings)"),
+], ids=["full", "modules_to_save", "tied"])
+def test_refused_where_the_embedding_trains_or_is_the_head(extra, says, tiny_models, data, tmp_path, capsys):
+    tied = not extra
+    model_dir = tiny_models("llama", num_hidden_layers=1, tie_word_embeddings=tied)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert cli_main(_args(model_dir, data, out, "sft", *ON, *extra)) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "qshard: error:" in line]
+    assert len(errors) == 1 and says in errors[0], err
+    assert "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())  # nothing written that looks like a run
+
+
+def test_plan_moves_the_embedding_from_each_gpu_to_the_host(capsys):
+    """`qshard plan`: with the option the 8B embedding (128,256 x 4,096 bf16) leaves every rank's GPU peak and
+    takes host memory once per rank."""
+    def plan(*extra):
+        capsys.readouterr()
+        assert cli_main(["plan", "--model.shape", "llama3-8b", "--gpus", "2", "--seq", "2048", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    embedding = 128_256 * 4_096 * 2 / 2**30
+    off, on = plan(), plan(*ON)
+    assert on["host_parts"]["input embedding"] == pytest.approx(2 * embedding, rel=1e-3), on["host_parts"]
+    assert off["host_parts"]["input embedding"] == 0
+    assert on["peak_host_gib"] == pytest.approx(off["peak_host_gib"] + 2 * embedding, rel=1e-3)
+    assert on["parts"]["embedding and head"] == pytest.approx(off["parts"]["embedding and head"] - embedding / 2,
+                                                              abs=0.01), (on["parts"], off["parts"])
+    assert on["peak_gpu_gib"] < off["peak_gpu_gib"]
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_loader_reads_the_embedding_into_host_memory_only(staged, tiny_models):
+    """The host embedding's checkpoint tensor is handed to the store in host memory, never on the device (here
+    `meta`, which stands for one), read whole or through the staging ring; the other tensors go to the device."""
+    from qshard.build import skeleton
+    from qshard.config import resolve
+    from qshard.host_embedding import host_tensor_names
+    from qshard.loading import Checkpoint
+    from qshard.loading.read_ahead import ReadOptions, _ReadAhead
+
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    cfg = resolve(None, [("model.path", str(model_dir)), ("model.embedding_on_host", "true")])
+    host = host_tensor_names(skeleton(cfg, model_dir, 1, torch.device("cpu")).model)
+    assert host == {"model.embed_tokens.weight"}
+    checkpoint = Checkpoint(model_dir)
+    names = sorted(checkpoint.names())
+    options = ReadOptions(threads=2, in_flight_bytes=1 << 16, piece_bytes=1 << 12, staged=staged)
+    try:
+        with _ReadAhead(checkpoint, names, torch.device("meta"), options, host) as reads:
+            got = {name: reads.take(i) for i, name in enumerate(names)}
+        assert {n for n, t in got.items() if t.device.type == "cpu"} == host
+        assert all(t.device.type == "meta" for n, t in got.items() if n not in host)
+        torch.testing.assert_close(got["model.embed_tokens.weight"], checkpoint.read("model.embed_tokens.weight"),
+                                   rtol=0, atol=0)
+    finally:
+        checkpoint.close()
