@@ -10,9 +10,10 @@ Quantized storage under `quant_sharding: dtensor`: the quantized codes and scale
 policy does not move them; `offload_quantized_storage` does. Each rank's shards live in host memory
 (pinned when CUDA is present) from the start, one flat buffer per transformer block, and are never
 materialized on the GPU as a whole: `StorageWindow` copies one block's buffer to the GPU when the block
-runs and prefetches the next block's on a side stream (see there), then each layer all-gathers its
-shard over the shard group as without offload. The GPU holds at most two blocks' shards at a time, besides
-those of the first `parallel.resident_blocks` blocks, whose buffers live on the GPU and are never copied.
+runs and prefetches the next block's on a side stream (see there; compiled blocks reach it through the
+operator `storage_to_device`), then each layer all-gathers its shard over the shard group as without
+offload. The GPU holds at most two blocks' shards at a time, besides those of the first
+`parallel.resident_blocks` blocks, whose buffers live on the GPU and are never copied.
 
 Activations: tensors that autograd saves for backward are copied to pinned CPU memory on a side stream
 while compute goes on, and copied back when backward needs them, into host buffers of a pool reused from
@@ -312,17 +313,16 @@ class StorageWindow:
         passed. So a staged tensor is handed out at most once, and the staged copy is never handed out where
         the same pass will ask for it again: in the recomputation of a checkpointed block, which runs in
         backward before the block's backward graph (`backward`: this call is from a backward graph) asks for
-        the same tensors. On the CPU the staged tensors are the host shards themselves: a copy each time."""
+        the same tensors; the recomputation gets a copy of it."""
         views = self.fetch(block, index)
         staged = self.staged[block]
-        if staged.copied is None:
-            return views[which].clone()
         if (index, which) in staged.given:  # only where a pass asks twice for one tensor: copied again
-            return self.blocks[block].host_views[index][which].to(self.device, non_blocking=True)
+            return self.blocks[block].host_views[index][which].to(self.device, non_blocking=True, copy=True)
         if self._position[1] == -1 and not backward:
             return views[which].clone()
         staged.given.add((index, which))
-        return views[which]
+        # On the CPU the staged tensor is the host shard itself, the operator's input, which it may not return.
+        return views[which] if staged.copied is not None else views[which].clone()
 
     def _stage(self, block: int) -> _Staged:
         storage = self.blocks[block]
@@ -371,7 +371,7 @@ def storage_to_device(host: torch.Tensor, device: torch.device, after: torch.Ten
     ref, block, index, which = _SHARDS.get(host.data_ptr(), (None, 0, 0, 0)) if host.numel() else (None, 0, 0, 0)
     window = ref() if ref is not None else None
     if window is None or window.device != device or not _same(window.blocks[block].host_views[index][which], host):
-        return host.to(device, copy=True)  # a tensor no window holds: copied here, on the current stream
+        return host.to(device, non_blocking=True, copy=True)  # a tensor no window holds: copied on this stream
     return window.fetch_owned(block, index, which, backward=after is not None)
 
 
