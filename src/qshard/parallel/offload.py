@@ -371,8 +371,22 @@ def storage_to_device(host: torch.Tensor, device: torch.device, after: torch.Ten
     ref, block, index, which = _SHARDS.get(host.data_ptr(), (None, 0, 0, 0)) if host.numel() else (None, 0, 0, 0)
     window = ref() if ref is not None else None
     if window is None or window.device != device or not _same(window.blocks[block].host_views[index][which], host):
+        if device.type == "cuda" and host.numel():
+            _warn_unstaged(host)
         return host.to(device, non_blocking=True, copy=True)  # a tensor no window holds: copied on this stream
     return window.fetch_owned(block, index, which, backward=after is not None)
+
+
+def _warn_unstaged(host: torch.Tensor) -> None:
+    """Once per process: compiled blocks fetched a tensor that is no block's shard, without the window's prefetch."""
+    global _warned_unstaged
+    if not _warned_unstaged:
+        _warned_unstaged = True
+        log.warning("qshard::storage_to_device: a host tensor %s %s that no offload window holds is copied as it "
+                    "is (no prefetch)", tuple(host.shape), host.dtype)
+
+
+_warned_unstaged = False
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
