@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
+
 import torch
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
@@ -10,7 +13,9 @@ from qshard.build import build_model
 from qshard.config import Config
 
 
-def _tiny_qlora(dist_env, model_dir, compiled: bool, **parallel):
+def _tiny_qlora(dist_env, model_dir, compiled: bool, backend: str = "aot_eager", **parallel):
+    """A tiny QLoRA model, its blocks compiled with `backend` where `compiled` (no code generated: aot_eager; with
+    inductor's partitioner, which decides what backward recomputes: aot_eager_decomp_partition)."""
     cfg = Config()
     cfg.lora.rank = 8
     cfg.train.precision = "fp32"
@@ -18,7 +23,7 @@ def _tiny_qlora(dist_env, model_dir, compiled: bool, **parallel):
     for name, value in parallel.items():
         setattr(cfg.parallel, name, value)
     if compiled:
-        cfg.parallel.compile_backend = "aot_eager"
+        cfg.parallel.compile_backend = backend
     torch.manual_seed(0)
     model, _ = build_model(cfg.validate(), dist_env, model_dir)
     model.train()
@@ -85,30 +90,100 @@ def test_every_block_runs_one_graph_that_the_caches_can_keep_and_trains_like_eag
         torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _watch_fetches(model) -> tuple[list, list]:
+    """What the offload window does from here on, recorded: each block it stages, with the direction of the pass
+    (1 forward, -1 backward), and each storage tensor a compiled graph fetches through `qshard::storage_to_device`
+    (`StorageWindow.fetch_owned`), with the block, the direction, whether a backward graph asked, and a weak
+    reference to what it got."""
+    window = next(m.offloaded.window for m in model.modules() if getattr(m, "offloaded", None) is not None)
+    staged, fetched = [], []
+    stage, fetch_owned = window._stage, window.fetch_owned
+
+    def recorded_stage(block: int):
+        staged.append((block, window._position[1]))
+        return stage(block)
+
+    def recorded_fetch(block: int, index: int, which: int, backward: bool):
+        got = fetch_owned(block, index, which, backward)
+        fetched.append((block, window._position[1], backward, weakref.ref(got)))
+        return got
+
+    window._stage, window.fetch_owned = recorded_stage, recorded_fetch
+    return staged, fetched
+
+
+def _fetch_counts(fetched: list) -> dict:
+    """(block, pass) -> storage tensors fetched: forward, recompute (forward graph in backward), backward graph."""
+    passes = {(1, False): "forward", (-1, False): "recompute", (-1, True): "backward"}
+    return dict(Counter((block, passes[direction, backward]) for block, direction, backward, _ in fetched))
+
+
+def _offloaded_runs(dist_env, model_dir, backend: str = "aot_eager", **parallel) -> dict:
+    """Eager and compiled blocks under cpu_offload with quant_sharding dtensor, one forward and backward each:
+    losses, gradients, and in the compiled run the graphs compiled and what the offload window did."""
+    batch = {"input_ids": torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))}
+    runs = {}
+    for compiled in (False, True):
+        model = _tiny_qlora(dist_env, model_dir, compiled, backend, quant_sharding="dtensor", cpu_offload=True,
+                            **parallel)
+        assert all(layer.offloaded is not None for layer in model.modules() if hasattr(layer, "STORAGE"))
+        staged, fetched = _watch_fetches(model)
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            with torch._functorch.config.patch(force_autograd_cache=True):
+                loss = model(**batch, use_cache=False).logits.float().square().mean()
+            # What forward fetched is gone before backward: nothing keeps a block's copy for backward.
+            kept = [block for block, _, _, got in fetched if got() is not None]
+            loss.backward()
+            runs[compiled] = {
+                "loss": loss.detach(), "staged": staged, "fetched": _fetch_counts(fetched), "kept": kept,
+                "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None},
+                "stats": dict(counters["stats"]), "guard_failures": dict(torch._dynamo.utils.guard_failures),
+                "aot": dict(counters["aot_autograd"]),
+            }
+        finally:
+            torch._dynamo.reset()
+    eager, compiled = runs[False], runs[True]
+    assert eager["fetched"] == {}  # eager blocks fetch through StorageWindow.fetch, not the operator
+    assert eager["grads"].keys() == compiled["grads"].keys() and len(eager["grads"]) == 3 * 14
+    torch.testing.assert_close(compiled["loss"], eager["loss"], rtol=1e-6, atol=1e-6)
+    # Decomposed ops (inductor's partitioner works on them) round differently, by a few parts in a million.
+    rtol, atol = (1e-5, 1e-7) if backend == "aot_eager" else (1e-4, 1e-6)
+    for name in eager["grads"]:
+        torch.testing.assert_close(compiled["grads"][name], eager["grads"][name], rtol=rtol, atol=atol, msg=name)
+    return compiled
+
+
 def test_blocks_with_offloaded_storage_share_one_graph_and_train_like_eager(dist_env, tiny_models):
     """parallel.cpu_offload with quant_sharding dtensor: a compiled block reads its layers' host shards as graph
     inputs, so the three blocks share one graph (no guard on which block the shards belong to, which would
     compile a graph per block and, past torch's recompile limit, leave the rest eager); loss and gradients are
-    the eager offloaded blocks'."""
-    model_dir = tiny_models("llama", num_hidden_layers=3)
-    batch = {"input_ids": torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))}
-    grads, losses = {}, {}
-    for compiled in (False, True):
-        model = _tiny_qlora(dist_env, model_dir, compiled, quant_sharding="dtensor", cpu_offload=True)
-        assert all(layer.offloaded is not None for layer in model.modules() if hasattr(layer, "STORAGE"))
-        torch._dynamo.reset()
-        counters.clear()
-        try:
-            loss = model(**batch, use_cache=False).logits.float().square().mean()
-            loss.backward()
-            if compiled:
-                assert dict(counters["stats"])["unique_graphs"] == 1, dict(counters["stats"])
-                assert not torch._dynamo.utils.guard_failures, dict(torch._dynamo.utils.guard_failures)
-        finally:
-            torch._dynamo.reset()
-        losses[compiled] = loss.detach()
-        grads[compiled] = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
-    assert grads[False].keys() == grads[True].keys() and len(grads[False]) == 3 * 14
-    torch.testing.assert_close(losses[True], losses[False], rtol=1e-6, atol=1e-6)
-    for name in grads[False]:
-        torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7, msg=name)
+    the eager offloaded blocks'. The graph fetches the shards through the offload window (the operator
+    qshard::storage_to_device), which prefetches the next block as for eager blocks: each block is staged once
+    a pass, in the pass's order, and each of its 14 storage tensors (7 layers' codes and scales) is fetched once
+    in forward, once in the checkpoint's recomputation and once in the backward graph; the cache can keep the
+    graph with the operator in it."""
+    compiled = _offloaded_runs(dist_env, tiny_models("llama", num_hidden_layers=3))
+    assert compiled["stats"]["unique_graphs"] == 1, compiled["stats"]
+    assert not compiled["guard_failures"], compiled["guard_failures"]
+    assert compiled["aot"].get("autograd_cache_bypass", 0) == 0 and compiled["aot"]["autograd_cache_miss"] == 1, \
+        compiled["aot"]
+    # The last block again at the turn: the forward graph owned its staged tensors.
+    assert compiled["staged"] == [(0, 1), (1, 1), (2, 1), (2, -1), (1, -1), (0, -1)]
+    assert compiled["fetched"] == {(b, p): 14 for b in range(3) for p in ("forward", "recompute", "backward")}
+
+
+def test_offloaded_blocks_resident_or_not_checkpointed_fetch_only_what_they_need(dist_env, tiny_models):
+    """parallel.resident_blocks 1 and ac_every 2: the resident block 0 fetches nothing; block 1, not
+    checkpointed, fetches its storage in forward and again in its backward graph, and keeps none of it from one to
+    the other (what its forward fetched is gone when forward ends); block 2, checkpointed, also in the
+    recomputation. Compiled with inductor's partitioner, which would keep in forward the fetches a backward graph
+    makes unless they depend on the backward pass. Streamed blocks share a graph (the resident block's shards are
+    no operator's inputs, so it has one of its own), and loss and gradients are eager's."""
+    compiled = _offloaded_runs(dist_env, tiny_models("llama", num_hidden_layers=3), "aot_eager_decomp_partition",
+                               resident_blocks=1, ac_every=2)
+    assert compiled["stats"]["unique_graphs"] == 2, compiled["stats"]
+    assert compiled["kept"] == []
+    assert compiled["fetched"] == {(1, "forward"): 14, (1, "backward"): 14,
+                                   (2, "forward"): 14, (2, "recompute"): 14, (2, "backward"): 14}

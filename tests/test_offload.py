@@ -187,3 +187,52 @@ def test_offloaded_storage_world_size_2(tmp_path, tiny_models):
         assert results[0][method]["losses"] == results[1][method]["losses"]
         # Each rank's host shard holds half the rows.
         assert results[0][method]["shard_rows"] == results[1][method]["shard_rows"] == results[0][method]["rows"] // 2
+
+
+def _watch_stages(window) -> list[int]:
+    """The blocks `window` stages from here on."""
+    staged = []
+    stage = window._stage
+    window._stage = lambda block: staged.append(block) or stage(block)
+    return staged
+
+
+def test_storage_to_device_operator_returns_a_copy_of_its_shard():
+    """qshard::storage_to_device, which compiled blocks call for each offloaded shard: torch's operator checks
+    pass (schema, no aliasing of its input, its fake implementation against the real one); its fake result is an
+    empty tensor of the shard's shape and dtype on the device asked for (a GPU's, though none is here); a shard
+    of a block's host buffer is fetched through that buffer's window (staged, then copied out: on the CPU the
+    staged tensor is the host shard itself), any other tensor copied as it is; and the window's shards are
+    forgotten when it goes."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qshard.parallel import offload
+
+    cpu = torch.device("cpu")
+    window = offload.StorageWindow(cpu)
+    layout = [[(0, torch.uint8, torch.Size([4, 8])), (128, torch.int32, torch.Size([4, 2]))]]
+    window.blocks.append(offload._BlockStorage(layout, 160, pin=False))
+    offload._register_shards(window, 0)
+    packed, scales = window.blocks[0].host_views[0]
+    packed.copy_(torch.arange(32, dtype=torch.uint8).view(4, 8))
+    scales.copy_(torch.arange(8, dtype=torch.int32).view(4, 2))
+    staged = _watch_stages(window)
+    for host in (packed, scales):
+        got = offload.storage_to_device(host, cpu, None)
+        assert torch.equal(got, host) and got.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
+    assert staged == [0]  # one block, staged once for both of its shards
+    other = torch.ones(3, 5)
+    assert torch.equal(offload.storage_to_device(other, cpu, None), other) and staged == [0]
+    for after in (None, torch.ones(2)):
+        result = torch.library.opcheck(offload.storage_to_device, (packed, cpu, after))
+        assert set(result.values()) == {"SUCCESS"}, result
+    with FakeTensorMode():
+        fake = offload.storage_to_device(torch.empty(4, 8, dtype=torch.uint8), torch.device("cuda", 0), None)
+    assert (fake.shape, fake.dtype, fake.device, fake.stride()) == ((4, 8), torch.uint8, torch.device("cuda:0"), (8, 1))
+    keys = [packed.data_ptr(), scales.data_ptr()]
+    assert all(key in offload._SHARDS for key in keys)
+    del window
+    gc.collect()
+    assert not any(key in offload._SHARDS for key in keys)

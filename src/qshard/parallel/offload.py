@@ -10,9 +10,10 @@ Quantized storage under `quant_sharding: dtensor`: the quantized codes and scale
 policy does not move them; `offload_quantized_storage` does. Each rank's shards live in host memory
 (pinned when CUDA is present) from the start, one flat buffer per transformer block, and are never
 materialized on the GPU as a whole: `StorageWindow` copies one block's buffer to the GPU when the block
-runs and prefetches the next block's on a side stream (see there), then each layer all-gathers its
-shard over the shard group as without offload. The GPU holds at most two blocks' shards at a time, besides
-those of the first `parallel.resident_blocks` blocks, whose buffers live on the GPU and are never copied.
+runs and prefetches the next block's on a side stream (see there; compiled blocks reach it through the
+operator `storage_to_device`), then each layer all-gathers its shard over the shard group as without
+offload. The GPU holds at most two blocks' shards at a time, besides those of the first
+`parallel.resident_blocks` blocks, whose buffers live on the GPU and are never copied.
 
 Activations: tensors that autograd saves for backward are copied to pinned CPU memory on a side stream
 while compute goes on, and copied back when backward needs them, into host buffers of a pool reused from
@@ -248,6 +249,7 @@ class _Staged:
     def __init__(self, flat: torch.Tensor, views: list[tuple[torch.Tensor, ...]], copied) -> None:
         self.flat, self.views, self.copied = flat, views, copied
         self.waited: set[int] = set()  # the streams already ordered after the copy
+        self.given: set[tuple[int, int]] = set()  # (layer, tensor) handed to a compiled graph as its own
 
     def use(self, index: int) -> tuple[torch.Tensor, ...]:
         if self.copied is not None:
@@ -273,10 +275,10 @@ class StorageWindow:
     running. Where no prefetch was made (the first block, a direction change) the copy is made on demand, on
     the side stream all the same.
 
-    This runs in eager code only: a compiled block copies its layers' shards inside its graph (see
-    `OffloadedStorage.full`), with no streams or Python state for the compiler to trace. A tiled MLP's tiles
-    (parallel/tiling.py) run eagerly where their storage is offloaded, so that they share this window's one copy
-    per block and direction rather than copy it in every tile's graph."""
+    Compiled blocks use the window too, through the `qshard::storage_to_device` operator (`fetch_owned`), which
+    the compiler does not trace into: the streams, events and Python state stay out of the graph. A tiled MLP's
+    tiles (parallel/tiling.py) run eagerly where their storage is offloaded, so that they share this window's one
+    copy per block and direction rather than copy it in every tile's graph."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -298,11 +300,29 @@ class StorageWindow:
         # compute stream is done with them.
         for other in [b for b in self.staged if b != block]:
             del self.staged[other]
-        if block not in self.staged:
+        # A copy whose tensors a compiled graph was given may have been written over since (`fetch_owned`).
+        if block not in self.staged or self.staged[block].given:
             self.staged[block] = self._stage(block)
         upcoming = block + step
         if 0 <= upcoming < len(self.blocks):
             self.staged[upcoming] = self._stage(upcoming)
+
+    def fetch_owned(self, block: int, index: int, which: int, backward: bool) -> torch.Tensor:
+        """Storage tensor `which` of layer `index` of `block` on the compute device, for a compiled graph, which
+        owns what it gets: its compiler may reuse a tensor's memory for another once the tensor's last use has
+        passed. So a staged tensor is handed out at most once, and the staged copy is never handed out where
+        the same pass will ask for it again: in the recomputation of a checkpointed block, which runs in
+        backward before the block's backward graph (`backward`: this call is from a backward graph) asks for
+        the same tensors; the recomputation gets a copy of it."""
+        views = self.fetch(block, index)
+        staged = self.staged[block]
+        if (index, which) in staged.given:  # only where a pass asks twice for one tensor: copied again
+            return self.blocks[block].host_views[index][which].to(self.device, non_blocking=True, copy=True)
+        if self._position[1] == -1 and not backward:
+            return views[which].clone()
+        staged.given.add((index, which))
+        # On the CPU the staged tensor is the host shard itself, the operator's input, which it may not return.
+        return views[which] if staged.copied is not None else views[which].clone()
 
     def _stage(self, block: int) -> _Staged:
         storage = self.blocks[block]
@@ -315,6 +335,67 @@ class StorageWindow:
             copied = torch.cuda.Event()
             copied.record(self.stream)
         return _Staged(flat, _views(flat, storage.layout), copied)
+
+
+# The host shards of every offloaded block, by address: (window, block, layer, tensor). Looked up by the operator
+# below from the tensor it is given, so that a compiled graph shared by all blocks needs no block number.
+_SHARDS: dict[int, tuple[weakref.ref, int, int, int]] = {}
+
+
+def _register_shards(window: StorageWindow, block: int) -> None:
+    ref = weakref.ref(window)
+    keys = []
+    for index, views in enumerate(window.blocks[block].host_views):
+        for which, view in enumerate(views):
+            if view.numel():  # an empty tensor may share its address with the next one
+                _SHARDS[view.data_ptr()] = (ref, block, index, which)
+                keys.append(view.data_ptr())
+    weakref.finalize(window, _forget_shards, keys, ref)
+
+
+def _forget_shards(keys: list[int], ref: weakref.ref) -> None:
+    for key in keys:
+        if key in _SHARDS and _SHARDS[key][0] is ref:
+            del _SHARDS[key]
+
+
+@torch.library.custom_op("qshard::storage_to_device", mutates_args=())
+def storage_to_device(host: torch.Tensor, device: torch.device, after: torch.Tensor | None) -> torch.Tensor:
+    """A compiled block's copy of one offloaded host shard on `device`, through the shard's `StorageWindow`
+    (`fetch_owned`), so that compiled blocks are prefetched as eager ones are. An operator, so that the compiler
+    calls it rather than trace into it, and keeps the host shard (its input) for backward, not the copy.
+
+    `after`: in a backward graph, the gradient the weight multiplies (its value is not read). The fetch then
+    depends on the backward pass, so the compiler runs it there, not in the forward graph with its copy kept
+    for backward (what it does with any computation of the forward's inputs that it may not recompute)."""
+    ref, block, index, which = _SHARDS.get(host.data_ptr(), (None, 0, 0, 0)) if host.numel() else (None, 0, 0, 0)
+    window = ref() if ref is not None else None
+    if window is None or window.device != device or not _same(window.blocks[block].host_views[index][which], host):
+        if device.type == "cuda" and host.numel():
+            _warn_unstaged(host)
+        return host.to(device, non_blocking=True, copy=True)  # a tensor no window holds: copied on this stream
+    return window.fetch_owned(block, index, which, backward=after is not None)
+
+
+def _warn_unstaged(host: torch.Tensor) -> None:
+    """Once per process: compiled blocks fetched a tensor that is no block's shard, without the window's prefetch."""
+    global _warned_unstaged
+    if not _warned_unstaged:
+        _warned_unstaged = True
+        log.warning("qshard::storage_to_device: a host tensor %s %s that no offload window holds is copied as it "
+                    "is (no prefetch)", tuple(host.shape), host.dtype)
+
+
+_warned_unstaged = False
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+@storage_to_device.register_fake
+def _(host: torch.Tensor, device: torch.device, after: torch.Tensor | None) -> torch.Tensor:
+    return host.new_empty(host.shape, device=device)
 
 
 class OffloadedStorage:
@@ -335,14 +416,17 @@ class OffloadedStorage:
         """The rows of a full tensor (weight or storage) that this rank's shard holds."""
         return local_piece(full, self.mesh, self.placements)
 
-    def full(self) -> tuple[torch.Tensor, ...]:
-        """The whole storage on the compute device: this rank's shards brought over, then all-gathered."""
-        if torch.compiler.is_compiling():
-            # Inside a compiled block: a plain copy the graph holds, ordered on the compute stream (no
-            # prefetch); the compiler sees the host shards as inputs, so nothing on the device outlives the use.
-            local = tuple(t.to(self.window.device, non_blocking=True) for t in self.host)
-        else:
+    def full(self, after: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The whole storage on the compute device: this rank's shards brought over, then all-gathered.
+        `after`: in a backward pass, the gradient the weight multiplies (`storage_to_device`)."""
+        if not torch.compiler.is_compiling():
             local = self.window.fetch(self.block, self.index)
+        elif self.resident:
+            local = self.host
+        else:
+            # Inside a compiled block: the host shards are graph inputs (no block number to guard on), and the
+            # operator finds their staged copies from them.
+            local = tuple(storage_to_device(t, self.window.device, after) for t in self.host)
         if self.mesh.size() == 1:
             return local
         return tuple(
@@ -393,6 +477,8 @@ def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device:
                           [t.shape for t in sharded], [t.stride() for t in sharded]))
         window.blocks.append(_BlockStorage(layout, nbytes, pin=device.type == "cuda",
                                            resident=device if on_device else None))
+        if not on_device:
+            _register_shards(window, block)
         for index, (layer, spec) in enumerate(zip(layers, specs)):
             for name, host in zip(layer.STORAGE, window.blocks[block].host_views[index]):
                 del layer._buffers[name]

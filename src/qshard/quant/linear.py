@@ -35,12 +35,13 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
 
 
-def full_storage(layer: QuantizedLinear) -> tuple[torch.Tensor, ...]:
+def full_storage(layer: QuantizedLinear, after: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """A quantized layer's whole storage (`layer.STORAGE`, in that order) on the compute device. Where
     `parallel.cpu_offload` put it in host memory, `layer.offloaded` (parallel/offload.py, attached at build
-    time) brings this rank's shards over and gathers them; otherwise the layer's own tensors are gathered."""
+    time) brings this rank's shards over and gathers them (`after`: in a backward pass, the gradient the weight
+    multiplies, which a compiled backward fetches after); otherwise the layer's own tensors are gathered."""
     if layer.offloaded is not None:
-        return layer.offloaded.full()
+        return layer.offloaded.full(after)
     return tuple(gathered(getattr(layer, name)) for name in layer.STORAGE)
 
 
@@ -117,9 +118,11 @@ class QuantizedLinear(nn.Module):
         for name, tensor in self.quantize(weight).items():
             getattr(self, name).view(tensor.dtype).copy_(tensor)
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The whole weight, dense, in `dtype`, wherever the storage is kept (gathered from its shards)."""
-        return self.dequantize(full_storage(self), dtype)
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16, after: torch.Tensor | None = None
+                           ) -> torch.Tensor:
+        """The whole weight, dense, in `dtype`, wherever the storage is kept (gathered from its shards);
+        `after`: in a backward pass, the gradient the weight multiplies (`full_storage`)."""
+        return self.dequantize(full_storage(self, after), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # RefetchingMatmul saves only the layer and fetches again in backward: offloaded storage needs nothing more.

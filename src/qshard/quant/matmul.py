@@ -21,5 +21,5 @@ class RefetchingMatmul(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ ctx.layer.dequantized_weight(grad_out.dtype)
+            grad_x = grad_out @ ctx.layer.dequantized_weight(grad_out.dtype, after=grad_out)
         return grad_x, None
