@@ -137,10 +137,11 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def input_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Input tokens of a collated batch, padding excluded."""
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int(batch["num_tokens"])
+    """Input tokens of a collated batch, padding excluded: counted by the batches whose attention mask does not
+    say it (packed rows, pref.share_prompt's)."""
+    if "num_tokens" in batch:
+        return int(batch["num_tokens"])
+    return int(batch["attention_mask"].sum())
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
