@@ -37,14 +37,16 @@ def _examples(n: int, seq: int) -> list[Example]:
 
 
 def _pairs(n: int, seq: int) -> list[Pair]:
-    """Preference pairs of `seq` tokens a row: a prompt of half of them (not trained) and two completions."""
+    """Preference pairs of `seq` tokens a row: a prompt of half of them (not trained), the same in both rows, and
+    two completions."""
     g = torch.Generator().manual_seed(0)
     prompt = seq // 2
-    rows = []
-    for _ in range(2 * n):
-        ids = torch.randint(3, 250, (seq,), generator=g).tolist()
-        rows.append(Example(ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
-    return [Pair(rows[2 * i], rows[2 * i + 1]) for i in range(n)]
+    pairs = []
+    for _ in range(n):
+        shared = torch.randint(3, 250, (prompt,), generator=g).tolist()
+        rows = [shared + torch.randint(3, 250, (seq - prompt,), generator=g).tolist() for _ in range(2)]
+        pairs.append(Pair(*(Example(ids, [IGNORE_INDEX] * prompt + ids[prompt:]) for ids in rows)))
+    return pairs
 
 
 def device_batch(trainer: Trainer, step: int) -> dict[str, torch.Tensor]:
