@@ -11,7 +11,8 @@ Records, each field a string or a list of {role, content} messages:
 Each record becomes two rows of the token store, rendered by the run's chat template with the prompt's tokens
 untrained: (chosen, rejected), or for KTO (completion, empty) when desirable and (empty, completion) when not.
 So the data pipeline (sources, weights, the held-out split, caching) handles pairs as it handles examples, and
-`PairView` reads them back two rows at a time.
+`PairView` reads them back two rows at a time. A batch runs them as stored (`collate_pairs`), or under
+pref.share_prompt as one row a pair, the prompt once, then both completions (`collate_shared_pairs`).
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ class PairView(Sequence):
         return self.rows.lengths().reshape(-1, 2).sum(axis=1)
 
     def longest_row(self) -> int:
-        """The most positions one forward row uses: chosen and rejected are rows of their own."""
+        """The most positions one forward row uses: the longer of a pair's rows (a shared row's rejected tokens
+        take their positions from where the prompt ends)."""
         lengths = self.rows.lengths()
         return int(lengths.max()) if len(lengths) else 0
 
