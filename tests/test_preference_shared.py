@@ -27,8 +27,8 @@ def test_shared_row_its_mask_positions_and_targets():
     pairs = [_pair([1, 2, 3], [4, 5], [6, 7, 8]), _pair([9, 10], [11], [12])]
     batch = collate_shared_pairs(pairs, pad_id=0)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 0, 0, 0, 0]]
-    # The rejected tokens' positions restart where the prompt ends; padding continues them.
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4, 5], [0, 1, 2, 2, 3, 4, 5, 6]]
+    # The rejected tokens' positions restart where the prompt ends; padding is at 0 (no position beyond the row's).
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4, 5], [0, 1, 2, 2, 0, 0, 0, 0]]
     T, F = True, False
     first = [[T, F, F, F, F, F, F, F],  # prompt: causal
              [T, T, F, F, F, F, F, F],

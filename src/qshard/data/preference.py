@@ -274,13 +274,14 @@ def collate_shared_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tens
     n, width = len(pairs), max(len(ids) for ids, *_ in parts)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     segments = torch.full((n, width), PADDING, dtype=torch.long)
-    position_ids = torch.arange(width).repeat(n, 1)
+    # Padding at position 0: a shared row is longer than any position its tokens use, and a position beyond
+    # them would reach rope scalings that grow with the largest position given (dynamic NTK).
+    position_ids = torch.zeros((n, width), dtype=torch.long)
     positions, targets, sequences = [], [], []
     for row, (ids, segment, position, loss) in enumerate(parts):
         length = len(ids)
         input_ids[row, :length], segments[row, :length] = torch.as_tensor(ids), torch.as_tensor(segment)
         position_ids[row, :length] = torch.as_tensor(position)
-        position_ids[row, length:] += int(position[-1]) + 1 - length  # padding continues the rejected positions
         for part, sequence in ((CHOSEN, row), (REJECTED, n + row)):
             where, target = loss[part]
             positions.append(torch.as_tensor(where) + row * width)
