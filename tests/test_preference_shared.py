@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import LogLines
 
+from qshard.attention import SHARED_ROWS
 from qshard.config import Config
 from qshard.data.example import Example
 from qshard.data.preference import Pair, collate_pairs, collate_shared_pairs
@@ -54,6 +55,9 @@ def test_shared_row_its_mask_positions_and_targets():
     assert batch["sequence_tokens"].tolist() == [2, 1, 3, 1]
     assert batch["chosen_sequences"].tolist() == [0, 1] and batch["rejected_sequences"].tolist() == [2, 3]
     assert int(batch["num_tokens"]) == 8 + 4
+    # The attention's two causal passes a row: prompt + chosen, and prompt + rejected keeping the rejected outputs.
+    rows = [[t.tolist() for t in row] for row in batch[SHARED_ROWS]]
+    assert rows == [[[0, 1, 2, 3, 4], [0, 1, 2, 5, 6, 7], [3, 4, 5]], [[0, 1, 2], [0, 1, 3], [2]]]
     with_reference = [p._replace(ref_chosen=-1.0, ref_rejected=-2.0) for p in pairs]
     assert collate_shared_pairs(with_reference, 0)["ref_logps"].tolist() == [-1, -1, -2, -2]
 
@@ -65,11 +69,15 @@ def _random_pairs(seed=0):
     return [_pair(ids(p), ids(c), ids(r)) for p, c, r in ((5, 4, 7), (2, 9, 3), (8, 1, 2))]
 
 
-def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env):
+def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env, monkeypatch):
     """Per-sequence summed and mean log-probs (policy, and reference with the adapters off) and the DPO loss's
     gradients of the LoRA weights: one shared row a pair equals two rows a pair, through the chunked head and the
-    full logits."""
+    full logits, with the attention's mask (SDPA's masked kernel) and with each row's two causal passes instead
+    (attention.py: every SDPA call causal, without a mask)."""
+    import torch.nn.functional as F
+
     from qshard.adapters import LoRALinear, adapters_disabled
+    from qshard.attention import use_shared_prompt_attention
     from qshard.build import build_model
     from qshard.train.loss import ChunkedLoss, FullLogitsLoss, loss_positions
     from qshard.train.preference import PreferenceLoss
@@ -87,9 +95,20 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
     two_rows = collate_pairs(pairs, pad_id=0)
     two_rows["loss_positions"] = loss_positions(two_rows["labels"])  # as the trainer adds it
     shared = collate_shared_pairs(pairs, pad_id=0)
+    masked = {k: v for k, v in shared.items() if k != SHARED_ROWS}
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    use_shared_prompt_attention()
     for head in (ChunkedLoss(model, chunk_tokens=5), FullLogitsLoss()):
         results = []
-        for batch, is_shared in ((two_rows, False), (shared, True)):
+        for batch, is_shared in ((two_rows, False), (masked, True), (shared, True)):
+            calls.clear()
             loss_fn = PreferenceLoss(cfg, head, is_shared)
             assert loss_fn.collate is (collate_shared_pairs if is_shared else collate_pairs)
             model.zero_grad()
@@ -99,23 +118,30 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
             loss, _ = loss_fn(model, batch)
             loss.backward()
             results.append((policy, reference, loss.detach(), [layer.lora_A.grad.clone() for layer in layers]))
-        (policy, reference, loss, grads), (s_policy, s_reference, s_loss, s_grads) = results
+            # 5 forwards of 2 layers (reference, policy, the loss's reference and policy, the checkpoint's recompute):
+            # with the mask, or 2 causal passes a row of 3.
+            kernels = [(False, False)] * 10 if batch is masked else [(True, True)] * 10 * 2 * 3 if is_shared else None
+            assert kernels is None or calls == kernels, calls
+        (policy, reference, loss, grads), *shared_results = results
         assert policy[0].shape == (6,) and (reference[0] - policy[0]).abs().max() > 0.1  # the adapters matter
-        for ours, theirs in zip((*s_policy, *s_reference), (*policy, *reference), strict=True):
-            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(s_loss, loss, atol=1e-6, rtol=1e-5)
         assert any(g.abs().max() > 0 for g in grads)
-        for ours, theirs in zip(s_grads, grads, strict=True):
-            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+        for s_policy, s_reference, s_loss, s_grads in shared_results:
+            for ours, theirs in zip((*s_policy, *s_reference), (*policy, *reference), strict=True):
+                torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(s_loss, loss, atol=1e-6, rtol=1e-5)
+            for ours, theirs in zip(s_grads, grads, strict=True):
+                torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-3)
 
 
 def _records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_dpo_run_with_shared_prompts_trains_as_with_two_rows(tiny_models, tmp_path):
+def test_a_dpo_run_with_shared_prompts_trains_as_with_two_rows(tiny_models, tmp_path, monkeypatch):
     """The same run, pref.share_prompt true and false: the same losses and metrics step by step and held out, from
-    fewer input tokens (each prompt once); the reference computed each step and precomputed alike."""
+    fewer input tokens (each prompt once), every attention of the shared run through SDPA's causal kernel without
+    a mask; the reference computed each step and precomputed alike."""
+    import torch.nn.functional as F
     from test_preference import _marker_pairs
 
     from qshard.cli import main
@@ -126,12 +152,23 @@ def test_a_dpo_run_with_shared_prompts_trains_as_with_two_rows(tiny_models, tmp_
         args = ["train", "--model", str(tiny_models("llama")), "--data", str(data), "--eval-data", str(held_out),
                 "--data.cache_dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / out), "--train.objective",
                 "dpo", "--max-steps", "3", "--batch-size", "4", "--grad-accum", "2", "--train.precision", "fp32",
-                "--data.max_length", "32", "--lr", "2e-2", "--optim.warmup_steps", "0", "--pref.share_prompt",
-                share, *extra]
+                "--data.max_length", "32", "--lr", "2e-2", "--optim.warmup_steps", "0", "--train.sample_every", "0",
+                "--pref.share_prompt", share, *extra]
         assert main(args) == 0
         return _records(tmp_path / out)
 
-    two, shared = run("two", "false"), run("shared", "true")
+    two = run("two", "false")
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "scaled_dot_product_attention", recorded)
+        shared = run("shared", "true")
+    assert calls and set(calls) == {(True, True)}
     fields = ["loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
               "logps_rejected", "grad_norm", "eval_loss", "eval_rewards_margin", "eval_logps_rejected"]
     assert [r["step"] for r in shared] == [1, 2, 3] and "eval_loss" in shared[-1]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from qshard.attention import SHARED_ROWS
 from qshard.data.example import IGNORE_INDEX, Example
 from qshard.errors import QShardError
 
@@ -145,5 +146,5 @@ def input_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's keyword arguments from a collated batch."""
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    """The model's keyword arguments from a collated batch (a shared preference batch's rows among them)."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", SHARED_ROWS) if k in batch}

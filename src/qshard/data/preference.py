@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from qshard.attention import SHARED_ROWS, shared_row_indices
 from qshard.data.batching import collate
 from qshard.data.example import IGNORE_INDEX, Example
 from qshard.data.formats import ROLES, string_field
@@ -266,10 +267,11 @@ def collate_shared_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tens
     tokens in a row (right-padded to the longest), so the prompt is computed once. The rejected tokens' positions
     restart where the prompt ends, and a boolean attention mask [pairs, 1, L, L] (True: may attend) lets them see the
     prompt and the earlier rejected tokens, never the chosen ones; padding sees only itself (a query that may see
-    nothing gives NaN in some attention kernels). What a row trains is explicit: `loss_positions`, flat indices into
-    [pairs x L], are the hidden states that predict `loss_targets` (the first rejected token is predicted by the
-    prompt's last position, as the first chosen token is). The sequences and their keys are collate_pairs': every
-    pair's chosen, then every pair's rejected."""
+    nothing gives NaN in some attention kernels). Beside it, each row's token indices of its two causal attentions
+    (`SHARED_ROWS`, a tuple of tensors a row), which the attention takes instead of the mask (attention.py). What a
+    row trains is explicit: `loss_positions`, flat indices into [pairs x L], are the hidden states that predict
+    `loss_targets` (the first rejected token is predicted by the prompt's last position, as the first chosen token
+    is). The sequences and their keys are collate_pairs': every pair's chosen, then every pair's rejected."""
     parts = [_shared_row(pair) for pair in pairs]
     n, width = len(pairs), max(len(ids) for ids, *_ in parts)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -278,7 +280,7 @@ def collate_shared_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tens
     # them would reach rope scalings that grow with the largest position given (dynamic NTK).
     position_ids = torch.zeros((n, width), dtype=torch.long)
     positions, targets, sequences = [], [], []
-    for row, (ids, segment, position, loss) in enumerate(parts):
+    for row, (ids, segment, position, loss, _) in enumerate(parts):
         length = len(ids)
         input_ids[row, :length], segments[row, :length] = torch.as_tensor(ids), torch.as_tensor(segment)
         position_ids[row, :length] = torch.as_tensor(position)
@@ -293,14 +295,16 @@ def collate_shared_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tens
              "loss_positions": torch.cat(positions).long(), "loss_targets": torch.cat(targets).long(),
              "loss_sequences": sequence,
              "sequence_tokens": torch.bincount(sequence, minlength=2 * n).clamp(min=1).float(),
-             "chosen_sequences": torch.arange(n), "rejected_sequences": torch.arange(n, 2 * n)}
+             "chosen_sequences": torch.arange(n), "rejected_sequences": torch.arange(n, 2 * n),
+             SHARED_ROWS: tuple(shared_row_indices(*sizes) for *_, sizes in parts)}
     _references(batch, pairs, pairs, pairs)
     return batch
 
 
 def _shared_row(pair: Pair) -> tuple:
-    """(ids, segment of each, position of each, {CHOSEN: (predicting positions, targets), REJECTED: ...}) of a
-    pair's shared row: its prompt, then the chosen row's completion, then the rejected row's."""
+    """(ids, segment of each, position of each, {CHOSEN: (predicting positions, targets), REJECTED: ...}, (prompt,
+    chosen, rejected) token counts) of a pair's shared row: its prompt, then the chosen row's completion, then the
+    rejected row's."""
     prompt = _prompt_length(pair.chosen)
     chosen, rejected = np.asarray(pair.chosen.input_ids), np.asarray(pair.rejected.input_ids)
     assert prompt >= 1 and prompt == _prompt_length(pair.rejected), "a pair's rows start with the same prompt"
@@ -314,7 +318,7 @@ def _shared_row(pair: Pair) -> tuple:
     chosen_from = np.arange(prompt - 1, prompt + c - 1)
     rejected_from = np.concatenate([[prompt - 1], np.arange(prompt + c, prompt + c + r - 1)])[:r]
     loss = {CHOSEN: (chosen_from, chosen[prompt:]), REJECTED: (rejected_from, rejected[prompt:])}
-    return ids, segment, position, loss
+    return ids, segment, position, loss, (prompt, c, r)
 
 
 def _shared_mask(segments: torch.Tensor) -> torch.Tensor:

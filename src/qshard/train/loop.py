@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from qshard.attention import use_shared_prompt_attention
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, for_epoch, input_tokens
@@ -106,6 +107,8 @@ class Trainer:
         # the loss is averaged over and how examples are collated.
         # A pair's prompt computed once (pref.share_prompt) where the model's attention allows it.
         shared = shares_prompt(cfg, model.config, model.config._attn_implementation, say=env.is_main)
+        if shared:
+            use_shared_prompt_attention()
         self.objective = (TokenObjective(self.loss_sum) if t.objective == "sft"
                           else PreferenceLoss(cfg, self.loss_sum, shared))
         policy = precision(cfg)
@@ -371,7 +374,9 @@ class Trainer:
             del batch["attention_mask"]
         return {k: self._on_device(v) for k, v in batch.items()}
 
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+    def _on_device(self, t: torch.Tensor | tuple) -> torch.Tensor | tuple:
+        if isinstance(t, tuple):  # a shared preference batch's rows: tensors in tuples
+            return tuple(self._on_device(x) for x in t)
         if self.env.device.type == "cuda":
             # From pinned memory the copy does not wait for the device's queue; from pageable memory it does.
             return t.pin_memory().to(self.env.device, non_blocking=True)
