@@ -221,7 +221,7 @@ def test_models_that_cannot_take_the_mask_run_two_rows_and_say_so(monkeypatch):
     finally:
         logger.removeHandler(lines)
     assert len(lines.lines) == 3, lines.lines
-    assert "LlamaConfig's eager attention cannot take the mask" in lines.lines[0]
+    assert "LlamaConfig's eager attention cannot keep a pair's rejected tokens from its chosen" in lines.lines[0]
     assert all(line.startswith("pref.share_prompt: off") and "each pair runs as two rows" in line
                for line in lines.lines)
     assert "sliding-window" in lines.lines[1] and "Gemma2Config" in lines.lines[2]

@@ -341,8 +341,8 @@ class PrefConfig:
     # Compute the reference log-probs once, before training, and keep them with the tokenized data.
     precompute_reference: bool = False
     # dpo, ipo, orpo, simpo: run each pair as one row, prompt + chosen + rejected, the rejected tokens attending to
-    # the prompt and to themselves only (a [rows, L, L] attention mask), so the prompt is computed once, not twice;
-    # empty: on for those objectives where the model's attention allows (sdpa, no sliding-window layers).
+    # the prompt and to themselves only, so the prompt is computed once, not twice; empty: on for those objectives
+    # where the model's attention allows (sdpa, no sliding-window layers). Set explicitly, kto and sft refuse it.
     share_prompt: bool | None = None
 
 

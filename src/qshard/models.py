@@ -88,9 +88,9 @@ def check_positions(hf_config: PretrainedConfig, longest: int, max_length: int) 
 
 
 def prompt_sharing_blocker(hf_config: PretrainedConfig, attn_implementation: str) -> str | None:
-    """Why this model cannot run pref.share_prompt's rows, whose attention needs a [rows, L, L] mask of their own,
-    or None where it can: eager attention adds a given mask as a float bias (a boolean one would be added as 1s),
-    and transformers hands a prepared mask to sliding-window layers as it is, without their window."""
+    """Why this model cannot run pref.share_prompt's rows, or None where it can. Their attention is sdpa's, two
+    causal passes a row (attention.py) or the row's boolean mask: eager attention would add that mask as a float
+    bias (its Trues as 1s); and neither the passes nor a mask given to transformers keep a sliding window."""
     if attn_implementation != "sdpa":
         return f"{attn_implementation} attention"
     text = hf_config.get_text_config()
@@ -108,8 +108,8 @@ def shares_prompt(cfg: Config, hf_config: PretrainedConfig, attn_implementation:
     blocker = prompt_sharing_blocker(hf_config, attn_implementation)
     if blocker is not None and say:
         log.log(logging.WARNING if cfg.pref.share_prompt else logging.INFO,
-                "pref.share_prompt: off, %s's %s cannot take the mask that keeps a pair's rejected tokens from its "
-                "chosen ones; each pair runs as two rows", type(hf_config).__name__, blocker)
+                "pref.share_prompt: off, %s's %s cannot keep a pair's rejected tokens from its chosen ones in one "
+                "row; each pair runs as two rows", type(hf_config).__name__, blocker)
     return blocker is None
 
 
