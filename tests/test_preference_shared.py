@@ -62,6 +62,20 @@ def test_shared_row_its_mask_positions_and_targets():
     assert collate_shared_pairs(with_reference, 0)["ref_logps"].tolist() == [-1, -1, -2, -2]
 
 
+def _record_sdpa(monkeypatch) -> list[tuple[bool, bool]]:
+    """(no mask, causal) of every SDPA call from now on."""
+    import torch.nn.functional as F
+
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    return calls
+
+
 def _random_pairs(seed=0):
     """Three pairs of different prompt and completion lengths (so every row is padded somewhere)."""
     g = torch.Generator().manual_seed(seed)
@@ -74,8 +88,6 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
     gradients of the LoRA weights: one shared row a pair equals two rows a pair, through the chunked head and the
     full logits, with the attention's mask (SDPA's masked kernel) and with each row's two causal passes instead
     (attention.py: every SDPA call causal, without a mask)."""
-    import torch.nn.functional as F
-
     from qshard.adapters import LoRALinear, adapters_disabled
     from qshard.attention import use_shared_prompt_attention
     from qshard.build import build_model
@@ -96,14 +108,7 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
     two_rows["loss_positions"] = loss_positions(two_rows["labels"])  # as the trainer adds it
     shared = collate_shared_pairs(pairs, pad_id=0)
     masked = {k: v for k, v in shared.items() if k != SHARED_ROWS}
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-        calls.append((attn_mask is None, is_causal))
-        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    calls = _record_sdpa(monkeypatch)
     use_shared_prompt_attention()
     for head in (ChunkedLoss(model, chunk_tokens=5), FullLogitsLoss()):
         results = []
@@ -133,6 +138,46 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
                 torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-3)
 
 
+@pytest.mark.parametrize("model_type", ["phi3", "gemma", "qwen3_moe"])
+def test_other_families_run_the_two_causal_passes_alike(model_type, tiny_models, dist_env, monkeypatch):
+    """A fused projection (Phi-3), Gemma's scaled embedding and plain head, mixture-of-experts blocks (Qwen3-MoE):
+    their attention is handed the rows, and the DPO loss and its gradients are two rows'."""
+    from qshard.adapters import LoRALinear
+    from qshard.attention import use_shared_prompt_attention
+    from qshard.build import build_model
+    from qshard.models import shares_prompt
+    from qshard.train.loss import ChunkedLoss, loss_positions
+    from qshard.train.preference import PreferenceLoss
+
+    model_dir = tiny_models(model_type)
+    cfg = Config()
+    cfg.model.path, cfg.train.precision, cfg.train.objective = str(model_dir), "fp32", "dpo"
+    model, _ = build_model(cfg.validate(), dist_env, model_dir)
+    assert shares_prompt(cfg, model.config, model.config._attn_implementation)
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_B.normal_(0, 0.5)
+    model.eval()
+    pairs = _random_pairs(seed=1)
+    two_rows = collate_pairs(pairs, pad_id=0)
+    two_rows["loss_positions"] = loss_positions(two_rows["labels"])
+    calls = _record_sdpa(monkeypatch)
+    use_shared_prompt_attention()
+    head, results = ChunkedLoss(model, chunk_tokens=5), []
+    for batch, shared in ((two_rows, False), (collate_shared_pairs(pairs, pad_id=0), True)):
+        model.zero_grad()
+        calls.clear()
+        loss, _ = PreferenceLoss(cfg, head, shared)(model, batch)
+        loss.backward()
+        results.append((loss.detach(), [layer.lora_A.grad.clone() for layer in layers]))
+    assert calls and set(calls) == {(True, True)}
+    (loss, grads), (s_loss, s_grads) = results
+    torch.testing.assert_close(s_loss, loss, atol=1e-6, rtol=1e-5)
+    for ours, theirs in zip(s_grads, grads, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-3)
+
+
 def _records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -141,7 +186,6 @@ def test_a_dpo_run_with_shared_prompts_trains_as_with_two_rows(tiny_models, tmp_
     """The same run, pref.share_prompt true and false: the same losses and metrics step by step and held out, from
     fewer input tokens (each prompt once), every attention of the shared run through SDPA's causal kernel without
     a mask; the reference computed each step and precomputed alike."""
-    import torch.nn.functional as F
     from test_preference import _marker_pairs
 
     from qshard.cli import main
@@ -158,15 +202,8 @@ def test_a_dpo_run_with_shared_prompts_trains_as_with_two_rows(tiny_models, tmp_
         return _records(tmp_path / out)
 
     two = run("two", "false")
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-        calls.append((attn_mask is None, is_causal))
-        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(F, "scaled_dot_product_attention", recorded)
+        calls = _record_sdpa(patch)
         shared = run("shared", "true")
     assert calls and set(calls) == {(True, True)}
     fields = ["loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
