@@ -1,6 +1,7 @@
 """pref.share_prompt: a pair as one row [prompt, chosen, rejected] whose rejected tokens never see the chosen ones.
-The row and its mask written out by hand; the per-sequence log-probs and the DPO gradient equal two rows' on a tiny
-model; a tiny DPO run trains as with two rows; where the model cannot take the mask, one line says so."""
+The row, its mask and its attention passes written out by hand; the per-sequence log-probs and the DPO gradient
+equal two rows' on tiny models, with the mask and with the two causal passes; a tiny DPO run trains as with two
+rows; where the model cannot run such rows, one line says so."""
 
 from __future__ import annotations
 
