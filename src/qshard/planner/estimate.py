@@ -140,6 +140,8 @@ class Shapes:
         # pref.share_prompt one row a pair of its prompt (counted once) and both completions
         rows = 2 if cfg.train.objective in PAIR_OBJECTIVES else 1
         self.tokens = cfg.train.micro_batch_size * rows * seq
+        # A shared row's attention is two causal passes (attention.py): the prompt's self-attention runs in both.
+        self.attention_tokens = self.tokens
         if shares_prompt(cfg, model.model.config, cfg.model.attn_implementation):
             self.tokens = cfg.train.micro_batch_size * (2 * seq - prompt_tokens_shared(cfg, seq))
         self.hidden = text.hidden_size
