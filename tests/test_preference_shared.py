@@ -77,6 +77,13 @@ def _record_sdpa(monkeypatch) -> list[tuple[bool, bool]]:
     return calls
 
 
+def _assert_grads_close(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    """Each gradient as the other's to fp32 round-off, relative to its largest element (gradients of 10 and more
+    differ by 1e-4 between two orders of the same sums)."""
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-4)
+
+
 def _random_pairs(seed=0):
     """Three pairs of different prompt and completion lengths (so every row is padded somewhere)."""
     g = torch.Generator().manual_seed(seed)
@@ -100,9 +107,10 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
     cfg.model.path, cfg.train.precision, cfg.train.objective = str(model_dir), "fp32", "dpo"
     model, _ = build_model(cfg.validate(), dist_env, model_dir)
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer in layers:  # trained-looking adapters, so that policy and reference differ
-            layer.lora_B.normal_(0, 0.5)
+            layer.lora_B.normal_(0, 0.5, generator=g)
     model.eval()
     pairs = _random_pairs()
     two_rows = collate_pairs(pairs, pad_id=0)
@@ -135,8 +143,7 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
             for ours, theirs in zip((*s_policy, *s_reference), (*policy, *reference), strict=True):
                 torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(s_loss, loss, atol=1e-6, rtol=1e-5)
-            for ours, theirs in zip(s_grads, grads, strict=True):
-                torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-3)
+            _assert_grads_close(s_grads, grads)
 
 
 @pytest.mark.parametrize("model_type", ["phi3", "gemma", "qwen3_moe"])
@@ -156,9 +163,10 @@ def test_other_families_run_the_two_causal_passes_alike(model_type, tiny_models,
     model, _ = build_model(cfg.validate(), dist_env, model_dir)
     assert shares_prompt(cfg, model.config, model.config._attn_implementation)
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer in layers:
-            layer.lora_B.normal_(0, 0.5)
+            layer.lora_B.normal_(0, 0.5, generator=g)
     model.eval()
     pairs = _random_pairs(seed=1)
     two_rows = collate_pairs(pairs, pad_id=0)
@@ -175,8 +183,7 @@ def test_other_families_run_the_two_causal_passes_alike(model_type, tiny_models,
     assert calls and set(calls) == {(True, True)}
     (loss, grads), (s_loss, s_grads) = results
     torch.testing.assert_close(s_loss, loss, atol=1e-6, rtol=1e-5)
-    for ours, theirs in zip(s_grads, grads, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-3)
+    _assert_grads_close(s_grads, grads)
 
 
 def _records(out):
