@@ -37,18 +37,20 @@ def _examples(n: int, seq: int) -> list[Example]:
 
 
 def _pairs(n: int, seq: int, kto: bool = False) -> list[Pair]:
-    """Preference pairs of `seq` tokens a row: a prompt of half of them (not trained) and two completions; for
-    KTO, examples of one such row, desirable and undesirable in turn (the other row of the pair empty)."""
+    """Preference pairs of `seq` tokens a row: a prompt of half of them (not trained), the same in both rows, and
+    two completions; for KTO, examples of one such row, desirable and undesirable in turn (the other row of the
+    pair empty)."""
     g = torch.Generator().manual_seed(0)
     prompt = seq // 2
-    rows = []
-    for _ in range(2 * n):
-        ids = torch.randint(3, 250, (seq,), generator=g).tolist()
-        rows.append(Example(ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
-    if kto:
-        empty = Example([], [])
-        return [Pair(rows[i], empty) if i % 2 == 0 else Pair(empty, rows[i]) for i in range(n)]
-    return [Pair(rows[2 * i], rows[2 * i + 1]) for i in range(n)]
+    pairs = []
+    for i in range(n):
+        shared = torch.randint(3, 250, (prompt,), generator=g).tolist()
+        rows = [Example(ids, [IGNORE_INDEX] * prompt + ids[prompt:])
+                for ids in (shared + torch.randint(3, 250, (seq - prompt,), generator=g).tolist() for _ in range(2))]
+        if kto:
+            rows[1 - i % 2] = Example([], [])
+        pairs.append(Pair(*rows))
+    return pairs
 
 
 def device_batch(trainer: Trainer, step: int) -> dict[str, torch.Tensor]:

@@ -96,7 +96,8 @@ COMPANIONS = {
     "checkpoint.keep_best": {"train.eval_every": "2"},
     "output.adapter_from": {"train.eval_every": "2", "checkpoint.keep_best": "true"},
     **{f"pref.{name}": {"train.objective": "dpo"} for name in ("beta", "label_smoothing", "length_normalization",
-                                                                "max_prompt_length", "precompute_reference")},
+                                                                "max_prompt_length", "precompute_reference",
+                                                                "share_prompt")},
     "pref.orpo_lambda": {"train.objective": "orpo"},
     "train.objective": {"train.micro_batch_size": "2"},  # its other value, kto, compares examples of a micro-batch
     "pref.simpo_gamma": {"train.objective": "simpo"},

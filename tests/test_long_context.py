@@ -337,7 +337,8 @@ def test_long_row_reaches_sdpa_without_a_mask(dist_env, tiny_models, monkeypatch
     packed = resolve(None, [("train.micro_batch_size", "1"), ("data.max_length", "32768"), ("data.packing", "true")])
     assert dense_mask_bytes(packed) == 1 << 30
     # A preference pair is two padded rows: a mask even at one pair per micro-batch.
-    pairs = resolve(None, [("train.objective", "dpo"), ("train.micro_batch_size", "1"), ("data.max_length", "32768")])
+    pairs = resolve(None, [("train.objective", "dpo"), ("train.micro_batch_size", "1"), ("data.max_length", "32768"),
+                           ("pref.share_prompt", "false")])
     assert dense_mask_bytes(pairs) == 2 << 30
 
 

@@ -246,6 +246,24 @@ def test_a_pair_objective_plans_two_rows_per_example(capsys):
     assert precomputed["tok_s"] == pytest.approx(both["tok_s"])  # no reference forward left in the step
 
 
+def test_a_shared_prompt_is_planned_once_per_pair(capsys):
+    """pref.share_prompt (on by default): a pair is one row of its prompt (pref.max_prompt_length, where the plan
+    takes it from) and both completions, 1,024 + 1,024 + 1,024 tokens instead of two rows of 2,048; without a
+    prompt length the plan assumes the longest row a pair can make, as many tokens as two rows."""
+    from qshard.models import dense_mask_bytes
+
+    args = [*H200_8B, "--seq", "2048", "--data.max_length", "2048", "--parallel.compile", "true", "--train.objective",
+            "dpo"]
+    shared = _plan(capsys, *args, "--pref.max_prompt_length", "1024")
+    two_rows = _plan(capsys, *args, "--pref.max_prompt_length", "1024", "--pref.share_prompt", "false")
+    unknown = _plan(capsys, *args)
+    assert shared["tokens_per_step"] == 3072 and two_rows["tokens_per_step"] == unknown["tokens_per_step"] == 4096
+    assert shared["peak_gpu_gib"] < two_rows["peak_gpu_gib"] == pytest.approx(unknown["peak_gpu_gib"])
+    cfg = resolve(None, [("train.objective", "dpo"), ("data.max_length", "2048"), ("pref.max_prompt_length", "1024"),
+                         ("train.micro_batch_size", "1")])
+    assert dense_mask_bytes(cfg) == 3072 * 3072  # one boolean [L, L] mask a pair, always
+
+
 # Measured on one H200 under an 80 GiB cap (docs/benchmarks.md): activation offload with tiled MLPs.
 TILED = ["--parallel.activation_offload", "true", "--parallel.mlp_tile_tokens", "8192"]
 

@@ -343,6 +343,10 @@ class PrefConfig:
     max_prompt_length: int | None = None
     # Compute the reference log-probs once, before training, and keep them with the tokenized data.
     precompute_reference: bool = False
+    # dpo, ipo, orpo, simpo: run each pair as one row, prompt + chosen + rejected, the rejected tokens attending to
+    # the prompt and to themselves only, so the prompt is computed once, not twice; empty: on for those objectives
+    # where the model's attention allows (sdpa, no sliding-window layers). Set explicitly, kto and sft refuse it.
+    share_prompt: bool | None = None
 
 
 @dataclass
@@ -428,7 +432,8 @@ class Config:
                                   f"so that the completions keep a token, got {p.max_prompt_length}")
         own = {"label_smoothing": ("dpo",), "orpo_lambda": ("orpo",), "simpo_gamma": ("simpo",),
                "length_normalization": ("dpo", "ipo"), "kto_desirable_weight": ("kto",),
-               "kto_undesirable_weight": ("kto",), "precompute_reference": REFERENCE_OBJECTIVES}
+               "kto_undesirable_weight": ("kto",), "precompute_reference": REFERENCE_OBJECTIVES,
+               "share_prompt": PAIR_OBJECTIVES}
         for name, objectives in own.items():
             if getattr(p, name) != getattr(PrefConfig, name) and objective not in objectives:
                 raise QShardError(f"pref.{name}: applies to train.objective {' or '.join(objectives)}, "

@@ -87,11 +87,52 @@ def check_positions(hf_config: PretrainedConfig, longest: int, max_length: int) 
         f"of {type(hf_config).__name__} ({origin}){hint}; set data.max_length to at most {limit}")
 
 
+def prompt_sharing_blocker(hf_config: PretrainedConfig, attn_implementation: str) -> str | None:
+    """Why this model cannot run pref.share_prompt's rows, or None where it can. Their attention is sdpa's, two
+    causal passes a row (attention.py) or the row's boolean mask: eager attention would add that mask as a float
+    bias (its Trues as 1s); and neither the passes nor a mask given to transformers keep a sliding window."""
+    if attn_implementation != "sdpa":
+        return f"{attn_implementation} attention"
+    text = hf_config.get_text_config()
+    layer_types = getattr(text, "layer_types", None)
+    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
+               else getattr(text, "sliding_window", None) is not None)
+    return "sliding-window attention layers" if sliding else None
+
+
+def shares_prompt(cfg: Config, hf_config: PretrainedConfig, attn_implementation: str, say: bool = False) -> bool:
+    """Whether each preference pair runs as one row [prompt, chosen, rejected] (pref.share_prompt; on by default
+    for the pair objectives where the model allows); `say`: log once why a pair objective runs two rows instead."""
+    if not prompt_sharing_asked(cfg):
+        return False
+    blocker = prompt_sharing_blocker(hf_config, attn_implementation)
+    if blocker is not None and say:
+        log.log(logging.WARNING if cfg.pref.share_prompt else logging.INFO,
+                "pref.share_prompt: off, %s's %s cannot keep a pair's rejected tokens from its chosen ones in one "
+                "row; each pair runs as two rows", type(hf_config).__name__, blocker)
+    return blocker is None
+
+
+def prompt_sharing_asked(cfg: Config) -> bool:
+    """pref.share_prompt as the options alone say it: a pair objective, and not turned off."""
+    return cfg.train.objective in PAIR_OBJECTIVES and cfg.pref.share_prompt is not False
+
+
+def prompt_tokens_shared(cfg: Config, length: int) -> int:
+    """The prompt tokens a shared pair of rows of `length` is taken to hold where its size is planned:
+    pref.max_prompt_length, or 0 without it (the longest row a pair can make: a short prompt, long completions)."""
+    return min(cfg.pref.max_prompt_length or 0, length - 1)
+
+
 def dense_mask_bytes(cfg: Config) -> int:
     """Bytes of the [rows, L, L] attention mask transformers builds for each micro-batch where attention cannot
     run causally without one: packed rows (a block-diagonal mask), micro-batches of several (padded) rows, or
     eager attention. 0 for one unpacked row per micro-batch under sdpa, which gets no mask and runs SDPA's
-    causal kernel (memory linear in the sequence). A preference pair is two rows (chosen, rejected)."""
+    causal kernel (memory linear in the sequence). A preference pair is two rows (chosen, rejected), or under
+    pref.share_prompt one row of its prompt and both completions, always masked."""
+    if cfg.model.attn_implementation == "sdpa" and prompt_sharing_asked(cfg):
+        length = 2 * cfg.data.max_length - prompt_tokens_shared(cfg, cfg.data.max_length)
+        return cfg.train.micro_batch_size * length * length
     rows, length = _rows_per_micro_batch(cfg), cfg.data.max_length
     if cfg.model.attn_implementation == "sdpa" and not cfg.data.packing and rows == 1:
         return 0
@@ -118,6 +159,9 @@ def _mask_reason(cfg: Config) -> str:
         return f"model.attn_implementation {cfg.model.attn_implementation}"
     if cfg.data.packing:
         return "data.packing"
+    if prompt_sharing_asked(cfg):
+        return ("pref.share_prompt (each pair is one row of its prompt and both completions; set it false for "
+                "two unmasked rows at micro-batch 1)")
     if cfg.train.objective in PAIR_OBJECTIVES:
         return f"train.objective {cfg.train.objective} (each pair is two padded rows; shorten data.max_length)"
     return f"train.micro_batch_size {cfg.train.micro_batch_size} (padded rows)"

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from qshard.attention import SHARED_ROWS
 from qshard.data.example import IGNORE_INDEX, Example
 from qshard.errors import QShardError
 
@@ -137,14 +138,16 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def input_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Input tokens of a collated batch, padding excluded."""
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int(batch["num_tokens"])
+    """Input tokens of a collated batch, padding excluded: counted by the batches whose attention mask does not
+    say it (packed rows, pref.share_prompt's)."""
+    if "num_tokens" in batch:
+        return int(batch["num_tokens"])
+    return int(batch["attention_mask"].sum())
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's keyword arguments from a collated batch: its tokens' embedding rows where the batch has them
-    (model.embedding_on_host: looked up on the host, host_embedding.py), else its token ids."""
+    (model.embedding_on_host: looked up on the host, host_embedding.py), else its token ids; a shared preference
+    batch's rows among them (pref.share_prompt)."""
     tokens = "inputs_embeds" if "inputs_embeds" in batch else "input_ids"
-    return {k: batch[k] for k in (tokens, "attention_mask", "position_ids") if k in batch}
+    return {k: batch[k] for k in (tokens, "attention_mask", "position_ids", SHARED_ROWS) if k in batch}

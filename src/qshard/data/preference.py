@@ -11,7 +11,8 @@ Records, each field a string or a list of {role, content} messages:
 Each record becomes two rows of the token store, rendered by the run's chat template with the prompt's tokens
 untrained: (chosen, rejected), or for KTO (completion, empty) when desirable and (empty, completion) when not.
 So the data pipeline (sources, weights, the held-out split, caching) handles pairs as it handles examples, and
-`PairView` reads them back two rows at a time.
+`PairView` reads them back two rows at a time. A batch runs them as stored (`collate_pairs`), or under
+pref.share_prompt as one row a pair, the prompt once, then both completions (`collate_shared_pairs`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from qshard.attention import SHARED_ROWS, shared_row_indices
 from qshard.data.batching import collate
 from qshard.data.example import IGNORE_INDEX, Example
 from qshard.data.formats import ROLES, string_field
@@ -207,7 +209,8 @@ class PairView(Sequence):
         return self.rows.lengths().reshape(-1, 2).sum(axis=1)
 
     def longest_row(self) -> int:
-        """The most positions one forward row uses: chosen and rejected are rows of their own."""
+        """The most positions one forward row uses: the longer of a pair's rows (a shared row's rejected tokens
+        take their positions from where the prompt ends)."""
         lengths = self.rows.lengths()
         return int(lengths.max()) if len(lengths) else 0
 
@@ -226,27 +229,107 @@ class PairView(Sequence):
 
 
 def collate_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tensor]:
-    """One batch for one forward: every pair's chosen row, then every rejected one (KTO's empty rows left out),
-    with the batch rows of each (`chosen_rows`, `rejected_rows`), the row of each trained position (`loss_rows`,
-    in `loss_positions` order), each row's trained-token count (`row_tokens`), and where they were precomputed,
-    each row's reference log-prob (`ref_logps`)."""
+    """One batch for one forward: every pair's chosen row, then every rejected one (KTO's empty rows left out).
+    Each row is a sequence whose log-prob the objective compares, and the keys the trainer reads are per sequence,
+    in that order (chosen ones, then rejected ones): the sequences of the chosen and of the rejected completions
+    (`chosen_sequences`, `rejected_sequences`), the sequence of each trained position (`loss_sequences`, in
+    `loss_positions` order), each sequence's trained-token count (`sequence_tokens`), and where they were
+    precomputed, each sequence's reference log-prob (`ref_logps`)."""
     chosen = [p for p in pairs if p.chosen.input_ids]
     rejected = [p for p in pairs if p.rejected.input_ids]
     batch = collate([p.chosen for p in chosen] + [p.rejected for p in rejected], pad_id)
-    if pairs[0].ref_chosen is not None:
-        references = [p.ref_chosen for p in chosen] + [p.ref_rejected for p in rejected]
-        batch["ref_logps"] = torch.tensor(references, dtype=torch.float32)
+    _references(batch, pairs, chosen, rejected)
     _trained_rows(batch)
-    batch["chosen_rows"] = torch.arange(len(chosen))
-    batch["rejected_rows"] = torch.arange(len(chosen), len(chosen) + len(rejected))
+    batch["chosen_sequences"] = torch.arange(len(chosen))
+    batch["rejected_sequences"] = torch.arange(len(chosen), len(chosen) + len(rejected))
     return batch
 
 
+def _references(batch: dict[str, torch.Tensor], pairs: list[Pair], chosen: list[Pair], rejected: list[Pair]) -> None:
+    if pairs[0].ref_chosen is not None:
+        references = [p.ref_chosen for p in chosen] + [p.ref_rejected for p in rejected]
+        batch["ref_logps"] = torch.tensor(references, dtype=torch.float32)
+
+
 def _trained_rows(batch: dict[str, torch.Tensor]) -> None:
-    """The row of each trained position (`loss_rows`) and each row's trained-token count (`row_tokens`)."""
+    """Each row one sequence: the sequence of each trained position and each sequence's trained-token count."""
     trained = batch["labels"][:, 1:] != IGNORE_INDEX
-    batch["loss_rows"] = trained.flatten().nonzero().squeeze(1) // trained.shape[1]
-    batch["row_tokens"] = trained.sum(dim=1).clamp(min=1).float()
+    batch["loss_sequences"] = trained.flatten().nonzero().squeeze(1) // trained.shape[1]
+    batch["sequence_tokens"] = trained.sum(dim=1).clamp(min=1).float()
+
+
+# The parts of a shared row (collate_shared_pairs), per position.
+PROMPT, CHOSEN, REJECTED, PADDING = range(4)
+
+
+def collate_shared_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tensor]:
+    """pref.share_prompt's batch of pairs (dpo, ipo, orpo, simpo): one row a pair, its prompt, chosen and rejected
+    tokens in a row (right-padded to the longest), so the prompt is computed once. The rejected tokens' positions
+    restart where the prompt ends, and a boolean attention mask [pairs, 1, L, L] (True: may attend) lets them see the
+    prompt and the earlier rejected tokens, never the chosen ones; padding sees only itself (a query that may see
+    nothing gives NaN in some attention kernels). Beside it, each row's token indices of its two causal attentions
+    (`SHARED_ROWS`, a tuple of tensors a row), which the attention takes instead of the mask (attention.py). What a
+    row trains is explicit: `loss_positions`, flat indices into [pairs x L], are the hidden states that predict
+    `loss_targets` (the first rejected token is predicted by the prompt's last position, as the first chosen token
+    is). The sequences and their keys are collate_pairs': every pair's chosen, then every pair's rejected."""
+    parts = [_shared_row(pair) for pair in pairs]
+    n, width = len(pairs), max(len(ids) for ids, *_ in parts)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    segments = torch.full((n, width), PADDING, dtype=torch.long)
+    # Padding at position 0: a shared row is longer than any position its tokens use, and a position beyond
+    # them would reach rope scalings that grow with the largest position given (dynamic NTK).
+    position_ids = torch.zeros((n, width), dtype=torch.long)
+    positions, targets, sequences = [], [], []
+    for row, (ids, segment, position, loss, _) in enumerate(parts):
+        length = len(ids)
+        input_ids[row, :length], segments[row, :length] = torch.as_tensor(ids), torch.as_tensor(segment)
+        position_ids[row, :length] = torch.as_tensor(position)
+        for part, sequence in ((CHOSEN, row), (REJECTED, n + row)):
+            where, target = loss[part]
+            positions.append(torch.as_tensor(where) + row * width)
+            targets.append(torch.as_tensor(target))
+            sequences.append(torch.full((len(target),), sequence, dtype=torch.long))
+    sequence = torch.cat(sequences)
+    batch = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": _shared_mask(segments),
+             "num_tokens": torch.tensor(sum(len(ids) for ids, *_ in parts), dtype=torch.long),
+             "loss_positions": torch.cat(positions).long(), "loss_targets": torch.cat(targets).long(),
+             "loss_sequences": sequence,
+             "sequence_tokens": torch.bincount(sequence, minlength=2 * n).clamp(min=1).float(),
+             "chosen_sequences": torch.arange(n), "rejected_sequences": torch.arange(n, 2 * n),
+             SHARED_ROWS: tuple(shared_row_indices(*sizes) for *_, sizes in parts)}
+    _references(batch, pairs, pairs, pairs)
+    return batch
+
+
+def _shared_row(pair: Pair) -> tuple:
+    """(ids, segment of each, position of each, {CHOSEN: (predicting positions, targets), REJECTED: ...}, (prompt,
+    chosen, rejected) token counts) of a pair's shared row: its prompt, then the chosen row's completion, then the
+    rejected row's."""
+    prompt = _prompt_length(pair.chosen)
+    chosen, rejected = np.asarray(pair.chosen.input_ids), np.asarray(pair.rejected.input_ids)
+    assert prompt >= 1 and prompt == _prompt_length(pair.rejected), "a pair's rows start with the same prompt"
+    assert np.array_equal(chosen[:prompt], rejected[:prompt]), "a pair's rows start with the same prompt"
+    c, r = len(chosen) - prompt, len(rejected) - prompt
+    ids = np.concatenate([chosen, rejected[prompt:]])
+    segment = np.repeat([PROMPT, CHOSEN, REJECTED], [prompt, c, r])
+    position = np.concatenate([np.arange(prompt + c), np.arange(prompt, prompt + r)])
+    # Each completion token is predicted by the position before it in its own sequence: the first one by the
+    # prompt's last position, the others by the completion's own.
+    chosen_from = np.arange(prompt - 1, prompt + c - 1)
+    rejected_from = np.concatenate([[prompt - 1], np.arange(prompt + c, prompt + c + r - 1)])[:r]
+    loss = {CHOSEN: (chosen_from, chosen[prompt:]), REJECTED: (rejected_from, rejected[prompt:])}
+    return ids, segment, position, loss, (prompt, c, r)
+
+
+def _shared_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, L, L], True where a query (dim 2) may attend to a key (dim 3): causally, to the prompt and to its
+    own part (so the rejected never to the chosen); padding to itself only."""
+    width = segments.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    query, key = segments[:, :, None], segments[:, None, :]
+    allowed = causal & ((key == PROMPT) | (key == query))
+    allowed = torch.where(query == PADDING, torch.eye(width, dtype=torch.bool), allowed)
+    return allowed[:, None]
 
 
 # The keys of collate_kto's mismatched rows beside the batch's own.

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from qshard.build import Skeleton, random_init
 from qshard.config import PAIR_OBJECTIVES, REFERENCE_OBJECTIVES, Config, checkpoint_trace_unmet
 from qshard.loading.read_ahead import CUDA_STAGING_BYTES
+from qshard.models import prompt_tokens_shared, shares_prompt
 from qshard.parallel.checkpointing import checkpointed_blocks
 from qshard.parallel.fsdp import reshard_after_forward
 from qshard.planner.activations import BlockActivations, probe_activations
@@ -135,9 +136,14 @@ class Shapes:
         self.world = world
         text = model.model.config.get_text_config()
         self.seq = seq
-        # per micro-batch per rank; a pair objective's micro-batch is its pairs' chosen and rejected rows
+        # per micro-batch per rank; a pair objective's micro-batch is its pairs' chosen and rejected rows, or under
+        # pref.share_prompt one row a pair of its prompt (counted once) and both completions
         rows = 2 if cfg.train.objective in PAIR_OBJECTIVES else 1
         self.tokens = cfg.train.micro_batch_size * rows * seq
+        # A shared row's attention is two causal passes (attention.py): the prompt's self-attention runs in both.
+        self.attention_tokens = self.tokens
+        if shares_prompt(cfg, model.model.config, cfg.model.attn_implementation):
+            self.tokens = cfg.train.micro_batch_size * (2 * seq - prompt_tokens_shared(cfg, seq))
         self.hidden = text.hidden_size
         head = model.model.get_output_embeddings()
         self.vocab = head.weight.shape[0] if head is not None else text.vocab_size

@@ -52,12 +52,13 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     if kept_projections_traced:  # kept, not recomputed: the projections, attention
         matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
         recomputed_attention = 0.0
-    attention = 2 * t * shapes.seq * shapes.attn_dim * shapes.blocks * (1 + 2.5 + recomputed_attention)
+    per_pass = 2 * shapes.attention_tokens * shapes.seq * shapes.attn_dim * shapes.blocks
+    attention = per_pass * (1 + 2.5 + recomputed_attention)
     # Gradient-free forwards beside the step's own: a preference reference, KTO's mismatched pairs.
     extra = extra_forwards(cfg)
     matmul += extra * t * 2 * (frozen + trained)
     head += extra * t * shapes.vocab * shapes.hidden * 2
-    attention += extra * 2 * t * shapes.seq * shapes.attn_dim * shapes.blocks
+    attention += extra * per_pass
     compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
         attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
     dequant = quantized * (2 + ckpt + extra) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)

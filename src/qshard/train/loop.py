@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from qshard.attention import use_shared_prompt_attention
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, for_epoch, input_tokens
 from qshard.host_embedding import with_input_embeddings
+from qshard.models import shares_prompt
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
@@ -104,7 +106,12 @@ class Trainer:
         self.loss_sum = build_loss(model, t.loss_chunk_tokens)
         # What a micro-batch trains (train.objective): (summed loss, its metrics' sums and counts), with the units
         # the loss is averaged over and how examples are collated.
-        self.objective = TokenObjective(self.loss_sum) if t.objective == "sft" else PreferenceLoss(cfg, self.loss_sum)
+        # A pair's prompt computed once (pref.share_prompt) where the model's attention allows it.
+        shared = shares_prompt(cfg, model.config, model.config._attn_implementation, say=env.is_main)
+        if shared:
+            use_shared_prompt_attention()
+        self.objective = (TokenObjective(self.loss_sum) if t.objective == "sft"
+                          else PreferenceLoss(cfg, self.loss_sum, shared))
         policy = precision(cfg)
         self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device), policy.loss_scaling,
                                          cfg.lora.plus_lr_ratio)
@@ -358,17 +365,20 @@ class Trainer:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch on the device, with what the step would otherwise ask the device for decided here
         on the host (every such question waits for the GPU to finish its queue): the flat positions the loss
-        is computed at (from the labels as they are now: change them before, not after), and no attention
-        mask where nothing is padded (the causal mask alone is the same, and transformers would check the
-        mask's values on the device)."""
+        is computed at (from the labels as they are now: change them before, not after; a batch that names its
+        targets, `loss_targets`, came with its positions), and no attention mask where nothing is padded (the
+        causal mask alone is the same, and transformers would check the mask's values on the device)."""
         batch = dict(batch)
-        batch["loss_positions"] = loss_positions(batch["labels"])
+        if "loss_targets" not in batch:
+            batch["loss_positions"] = loss_positions(batch["labels"])
         if "attention_mask" in batch and bool(batch["attention_mask"].all()):
             del batch["attention_mask"]
         batch = with_input_embeddings(self.model, batch)  # model.embedding_on_host: the rows, looked up here
         return {k: self._on_device(v) for k, v in batch.items()}
 
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+    def _on_device(self, t: torch.Tensor | tuple) -> torch.Tensor | tuple:
+        if isinstance(t, tuple):  # a shared preference batch's rows: tensors in tuples
+            return tuple(self._on_device(x) for x in t)
         if self.env.device.type == "cuda":
             # From pinned memory the copy does not wait for the device's queue; from pageable memory it does.
             return t.pin_memory().to(self.env.device, non_blocking=True)

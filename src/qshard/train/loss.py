@@ -48,10 +48,8 @@ class FullLogitsLoss:
     def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The log-prob of each trained next token, at `batch["loss_positions"]` (preference objectives)."""
         logits = model(**model_inputs(batch), use_cache=False).logits
-        positions = batch["loss_positions"]
-        labels = batch["labels"][:, 1:].flatten().index_select(0, positions)
-        return -F.cross_entropy(logits[:, :-1].flatten(0, 1).index_select(0, positions).float(), labels,
-                                reduction="none")
+        selected, targets = trained_positions(logits, batch)
+        return -F.cross_entropy(selected.float(), targets, reduction="none")
 
 
 class ChunkedLoss:
@@ -81,11 +79,7 @@ class ChunkedLoss:
         hidden, self.hidden = self.hidden, None
         # Prompt and padding positions need no logits at all. Positions rather than a mask: selecting by a
         # mask would wait for the device to count it, in forward and again in backward.
-        positions = batch.get("loss_positions")
-        if positions is None:
-            positions = loss_positions(batch["labels"])
-        states = hidden[:, :-1].flatten(0, 1).index_select(0, positions)
-        labels = batch["labels"][:, 1:].flatten().index_select(0, positions)
+        states, labels = trained_positions(hidden, batch)
         # The head's weight as its FSDP unit gathered it (kept from the forward into backward, see
         # parallel/fsdp.py; unshard() is a no-op then). Still sharded, e.g. outside FSDP: gathered here.
         if isinstance(self.head, FSDPModule):
@@ -101,6 +95,20 @@ class ChunkedLoss:
 def loss_positions(labels: torch.Tensor) -> torch.Tensor:
     """Flat indices into [batch x (length - 1)] of the next-token targets that count in the loss."""
     return (labels[:, 1:] != IGNORE_INDEX).flatten().nonzero().squeeze(1)
+
+
+def trained_positions(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the model's outputs [batch, length, ...] at the positions that predict a trained token, those tokens).
+    A batch with `loss_targets` (pref.share_prompt's rows, whose tokens are not all predicted by the position
+    before them) names its positions into [batch x length] and their targets; any other batch has them from its
+    labels: each position predicts the next token."""
+    if "loss_targets" in batch:
+        return outputs.flatten(0, 1).index_select(0, batch["loss_positions"]), batch["loss_targets"]
+    positions = batch.get("loss_positions")
+    if positions is None:
+        positions = loss_positions(batch["labels"])
+    labels = batch["labels"][:, 1:].flatten().index_select(0, positions)
+    return outputs[:, :-1].flatten(0, 1).index_select(0, positions), labels
 
 
 def _chunk_loss(states, labels, weight, bias, softcap, reduction="sum") -> torch.Tensor:

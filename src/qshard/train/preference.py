@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from qshard.adapters import adapters_disabled
 from qshard.config import DEFAULT_BETA, REFERENCE_OBJECTIVES, Config
-from qshard.data.preference import collate_kto, collate_pairs, mismatched_rows
+from qshard.data.preference import collate_kto, collate_pairs, collate_shared_pairs, mismatched_rows
 
 
 @dataclass(frozen=True)
@@ -213,33 +213,36 @@ def finish_metrics(names: tuple[str, ...], sums: list[float]) -> dict[str, float
 
 
 class PreferenceLoss:
-    """train.objective's preference method over collated pairs (data.preference.collate_pairs): one policy
-    forward over chosen and rejected together through the head loss's per-token log-probs (chunked where the
-    architecture allows), and before it the reference's, without gradient and with the adapters switched off,
-    for the methods that have one. Normalized by the global batch's pairs (KTO: examples).
+    """train.objective's preference method over collated pairs (data.preference.collate_pairs, or under
+    pref.share_prompt collate_shared_pairs: `shared`): one policy forward over chosen and rejected together through
+    the head loss's per-token log-probs (chunked where the architecture allows), and before it the reference's,
+    without gradient and with the adapters switched off, for the methods that have one. Normalized by the global
+    batch's pairs (KTO: examples).
 
     KTO's reference point is set by `start_step` for the global batch's micro-batches (their mismatched rows run
     through the policy and the reference without gradient first); a micro-batch evaluated alone estimates it from
     its own (and the other ranks' of the same forward)."""
 
-    def __init__(self, cfg: Config, head) -> None:
+    def __init__(self, cfg: Config, head, shared: bool = False) -> None:
         self.objective = build_objective(cfg)
         self.metrics = self.objective.metrics
         self.head = head
         kto = cfg.train.objective == "kto"
         self.unit = "examples" if kto else "pairs"
         self.units = _rows if kto else _pairs
-        self.collate = collate_kto if kto else collate_pairs
+        self.collate = collate_kto if kto else collate_shared_pairs if shared else collate_pairs
         self.start_step = self._kto_start_step if kto else _nothing
         self.reference_point = self._kto_reference_point if kto else _no_reference
         self.reference = (_no_reference if not self.objective.needs_reference
                           else _precomputed if cfg.pref.precompute_reference else self._reference)
 
     def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's summed and per-token mean log-prob of its trained tokens."""
+        """Each sequence's (chosen or rejected completion's) summed and per-token mean log-prob of its trained
+        tokens, in the batch's order of sequences (every chosen, then every rejected)."""
         token = self.head.token_logps(model, batch)
-        sums = token.new_zeros(batch["input_ids"].shape[0]).index_add(0, batch["loss_rows"], token)
-        return sums, sums / batch["row_tokens"]
+        tokens = batch["sequence_tokens"]
+        sums = token.new_zeros(tokens.shape[0]).index_add(0, batch["loss_sequences"], token)
+        return sums, sums / tokens
 
     def _reference(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad(), adapters_disabled(model):
@@ -272,8 +275,8 @@ class PreferenceLoss:
         sums, means = self.sequence_logps(model, batch)
         rows = [sums, means]
         if reference is not None:
-            rows += [reference, reference / batch["row_tokens"]]
-        chosen, rejected = batch["chosen_rows"], batch["rejected_rows"]
+            rows += [reference, reference / batch["sequence_tokens"]]
+        chosen, rejected = batch["chosen_sequences"], batch["rejected_sequences"]
         # PairLogps' order: each quantity's chosen rows, then its rejected rows.
         split = [part for t in rows for part in (t.index_select(0, chosen), t.index_select(0, rejected))]
         return self.objective(PairLogps(*split[:4], *split[4:6], *split[6:], kl=kl))
@@ -289,14 +292,14 @@ def _no_reference(_model: nn.Module, _batch: dict[str, torch.Tensor]) -> None:
 
 
 def _precomputed(_model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """pref.precompute_reference: the rows' reference log-probs, collated with them (train/reference.py)."""
+    """pref.precompute_reference: the sequences' reference log-probs, collated with them (train/reference.py)."""
     assert "ref_logps" in batch, "the reference is precomputed before the trainer collates a batch"
     return batch["ref_logps"]
 
 
 def _pairs(batch: dict[str, torch.Tensor]) -> int:
-    return len(batch["chosen_rows"])
+    return len(batch["chosen_sequences"])
 
 
 def _rows(batch: dict[str, torch.Tensor]) -> int:
-    return len(batch["chosen_rows"]) + len(batch["rejected_rows"])
+    return len(batch["chosen_sequences"]) + len(batch["rejected_sequences"])
