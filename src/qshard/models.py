@@ -124,15 +124,14 @@ def prompt_tokens_shared(cfg: Config, length: int) -> int:
     return min(cfg.pref.max_prompt_length or 0, length - 1)
 
 
-def dense_mask_bytes(cfg: Config) -> int:
+def dense_mask_bytes(cfg: Config, shared: bool = False) -> int:
     """Bytes of the [rows, L, L] attention mask transformers builds for each micro-batch where attention cannot
     run causally without one: packed rows (a block-diagonal mask), micro-batches of several (padded) rows, or
     eager attention. 0 for one unpacked row per micro-batch under sdpa, which gets no mask and runs SDPA's
-    causal kernel (memory linear in the sequence). A preference pair is two rows (chosen, rejected), or under
-    pref.share_prompt one row of its prompt and both completions, always masked."""
-    if cfg.model.attn_implementation == "sdpa" and prompt_sharing_asked(cfg):
-        length = 2 * cfg.data.max_length - prompt_tokens_shared(cfg, cfg.data.max_length)
-        return cfg.train.micro_batch_size * length * length
+    causal kernel (memory linear in the sequence). A preference pair is two padded rows, always masked; 0 where
+    the pairs run as shared rows (`shared`: `shares_prompt` for the model), whose two causal passes need none."""
+    if shared:
+        return 0
     rows, length = _rows_per_micro_batch(cfg), cfg.data.max_length
     if cfg.model.attn_implementation == "sdpa" and not cfg.data.packing and rows == 1:
         return 0
@@ -143,10 +142,10 @@ def _rows_per_micro_batch(cfg: Config) -> int:
     return cfg.train.micro_batch_size * (2 if cfg.train.objective in PAIR_OBJECTIVES else 1)
 
 
-def warn_dense_mask(cfg: Config, threshold: int = 1 << 30) -> None:
+def warn_dense_mask(cfg: Config, shared: bool = False, threshold: int = 1 << 30) -> None:
     """One warning where `dense_mask_bytes` reaches `threshold`: at long context such a mask alone can outgrow
     the device, and how to avoid it is a setting away."""
-    nbytes = dense_mask_bytes(cfg)
+    nbytes = dense_mask_bytes(cfg, shared)
     if nbytes >= threshold:
         log.warning("attention: with data.max_length %d, %s builds a dense attention mask of %.1f GiB per micro-"
                     "batch; for long sequences use train.micro_batch_size 1, data.packing false and "
@@ -159,11 +158,9 @@ def _mask_reason(cfg: Config) -> str:
         return f"model.attn_implementation {cfg.model.attn_implementation}"
     if cfg.data.packing:
         return "data.packing"
-    if prompt_sharing_asked(cfg):
-        return ("pref.share_prompt (each pair is one row of its prompt and both completions; set it false for "
-                "two unmasked rows at micro-batch 1)")
     if cfg.train.objective in PAIR_OBJECTIVES:
-        return f"train.objective {cfg.train.objective} (each pair is two padded rows; shorten data.max_length)"
+        return (f"train.objective {cfg.train.objective} (each pair is two padded rows; pref.share_prompt, where the "
+                f"model allows it, runs a pair as one row without a mask; or shorten data.max_length)")
     return f"train.micro_batch_size {cfg.train.micro_batch_size} (padded rows)"
 
 
