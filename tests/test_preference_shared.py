@@ -276,7 +276,7 @@ def test_share_prompt_outside_the_pair_objectives_is_one_line_exit_2(setting, me
 
 
 def test_models_that_cannot_take_the_mask_run_two_rows_and_say_so(monkeypatch):
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen3NextConfig
 
     from qshard.models import shares_prompt
 
@@ -292,17 +292,19 @@ def test_models_that_cannot_take_the_mask_run_two_rows_and_say_so(monkeypatch):
         assert not shares_prompt(cfg, MistralConfig(sliding_window=4096), "sdpa", say=True)
         assert shares_prompt(cfg, MistralConfig(sliding_window=None), "sdpa")
         assert not shares_prompt(cfg, Gemma2Config(), "sdpa", say=True)
+        assert not shares_prompt(cfg, Qwen3NextConfig(num_hidden_layers=4), "sdpa", say=True)  # linear attention
         cfg.pref.share_prompt = False
         assert not shares_prompt(cfg, LlamaConfig(), "sdpa", say=True)
         cfg.pref.share_prompt, cfg.train.objective = None, "kto"
         assert not shares_prompt(cfg, LlamaConfig(), "sdpa", say=True)
     finally:
         logger.removeHandler(lines)
-    assert len(lines.lines) == 3, lines.lines
+    assert len(lines.lines) == 4, lines.lines
     assert "LlamaConfig's eager attention cannot keep a pair's rejected tokens from its chosen" in lines.lines[0]
     assert all(line.startswith("pref.share_prompt: off") and "each pair runs as two rows" in line
                for line in lines.lines)
     assert "sliding-window" in lines.lines[1] and "Gemma2Config" in lines.lines[2]
+    assert "Qwen3NextConfig's layers other than full attention (linear_attention)" in lines.lines[3], lines.lines[3]
 
 
 def test_compiled_blocks_keep_their_graphs_whatever_the_pairs_of_a_batch(tiny_models, dist_env):

@@ -89,15 +89,20 @@ def check_positions(hf_config: PretrainedConfig, longest: int, max_length: int) 
 
 def prompt_sharing_blocker(hf_config: PretrainedConfig, attn_implementation: str) -> str | None:
     """Why this model cannot run pref.share_prompt's rows, or None where it can. Their attention is sdpa's, two
-    causal passes a row (attention.py) or the row's boolean mask: eager attention would add that mask as a float
-    bias (its Trues as 1s); and neither the passes nor a mask given to transformers keep a sliding window."""
+    causal passes a row (attention.py), which transformers' sdpa attention alone runs; and the passes keep no sliding
+    window, nor do they run a hybrid model's linear-attention or state-space layers."""
     if attn_implementation != "sdpa":
         return f"{attn_implementation} attention"
     text = hf_config.get_text_config()
     layer_types = getattr(text, "layer_types", None)
-    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
-               else getattr(text, "sliding_window", None) is not None)
-    return "sliding-window attention layers" if sliding else None
+    if not layer_types:
+        return "sliding-window attention layers" if getattr(text, "sliding_window", None) is not None else None
+    others = sorted({t for t in layer_types if t != "full_attention"})
+    if not others:
+        return None
+    # Hybrid models' linear-attention or state-space layers take no rows either.
+    return ("sliding-window attention layers" if others == ["sliding_attention"]
+            else f"layers other than full attention ({', '.join(others)})")
 
 
 def shares_prompt(cfg: Config, hf_config: PretrainedConfig, attn_implementation: str, say: bool = False) -> bool:
