@@ -79,11 +79,11 @@ def shared_prompt_attention(module, query, key, value, attention_mask, dropout=0
     return torch.cat(outputs, dim=1)[batch, source], None
 
 
-def mask_placeholder(input_ids: torch.Tensor) -> torch.Tensor:
-    """The attention mask a shared batch of `input_ids` [pairs, L] gives the model: [pairs, 1, L, L] of one
-    element (a 4D mask transformers uses as it is; the attention never reads it)."""
-    n, width = input_ids.shape[:2]
-    return torch.ones((), dtype=torch.bool, device=input_ids.device).expand(n, 1, width, width)
+def mask_placeholder(tokens: torch.Tensor) -> torch.Tensor:
+    """The attention mask a shared batch of `tokens` ([pairs, L] ids or [pairs, L, hidden] embeddings) gives the
+    model: [pairs, 1, L, L] of one element (a 4D mask transformers uses as it is; the attention never reads it)."""
+    n, width = tokens.shape[:2]
+    return torch.ones((), dtype=torch.bool, device=tokens.device).expand(n, 1, width, width)
 
 
 @contextlib.contextmanager

@@ -152,5 +152,5 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     tokens = "inputs_embeds" if "inputs_embeds" in batch else "input_ids"
     inputs = {k: batch[k] for k in (tokens, "attention_mask", "position_ids", SHARED_ROWS) if k in batch}
     if SHARED_ROWS in batch:
-        inputs["attention_mask"] = mask_placeholder(batch["input_ids"])
+        inputs["attention_mask"] = mask_placeholder(batch[tokens])
     return inputs
