@@ -5,12 +5,13 @@ and compiled, running each tile's forward twice a step in a checkpointed block; 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import free_port, spawn
+from conftest import LogLines, free_port, spawn
 from torch.distributed.tensor import DTensor
 
 from qshard.config import resolve
@@ -340,6 +341,25 @@ def test_long_row_reaches_sdpa_without_a_mask(dist_env, tiny_models, monkeypatch
     pairs = resolve(None, [("train.objective", "dpo"), ("train.micro_batch_size", "1"), ("data.max_length", "32768"),
                            ("pref.share_prompt", "false")])
     assert dense_mask_bytes(pairs) == 2 << 30
+    # Asked to share prompts (the default), the figure is the model's: none for shared rows, two rows' where the
+    # model turns sharing off (a sliding window), and the warning says which.
+    from transformers import LlamaConfig, MistralConfig
+
+    from qshard.models import shares_prompt, warn_dense_mask
+
+    asked = resolve(None, [("train.objective", "dpo"), ("train.micro_batch_size", "1"), ("data.max_length", "32768")])
+    assert dense_mask_bytes(asked, shares_prompt(asked, LlamaConfig(), "sdpa")) == 0
+    sliding = shares_prompt(asked, MistralConfig(sliding_window=4096), "sdpa")
+    assert dense_mask_bytes(asked, sliding) == 2 << 30
+    lines = LogLines()
+    logging.getLogger("qshard").addHandler(lines)
+    try:
+        warn_dense_mask(asked, shares_prompt(asked, LlamaConfig(), "sdpa"))
+        assert not lines.lines
+        warn_dense_mask(asked, sliding)
+    finally:
+        logging.getLogger("qshard").removeHandler(lines)
+    assert len(lines.lines) == 1 and "2.0 GiB" in lines.lines[0] and "each pair is two padded rows" in lines.lines[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """pref.share_prompt: a pair as one row [prompt, chosen, rejected] whose rejected tokens never see the chosen ones.
-The row, its mask and its attention passes written out by hand; the per-sequence log-probs and the DPO gradient
-equal two rows' on tiny models, with the mask and with the two causal passes; a tiny DPO run trains as with two
-rows; where the model cannot run such rows, one line says so."""
+The row, what its attention passes let each token see, written out by hand; the per-sequence log-probs and the DPO
+gradient equal two rows' on tiny models through the two causal passes, with no mask; an attention that does not take
+the rows stops the run; a tiny DPO run trains as with two rows; where the model cannot run such rows, one line says
+so."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from conftest import LogLines
 
 from qshard.attention import SHARED_ROWS
 from qshard.config import Config
+from qshard.data import model_inputs
 from qshard.data.example import Example
 from qshard.data.preference import Pair, collate_pairs, collate_shared_pairs
 
@@ -25,7 +27,23 @@ def _pair(prompt, chosen, rejected):
                 Example(prompt + rejected, [X] * len(prompt) + rejected))
 
 
-def test_shared_row_its_mask_positions_and_targets():
+def _visible(rows, row: int) -> list[list[bool]]:
+    """[L, L]: which keys (dim 1) a query (dim 0) of a shared batch's row attends to through its two causal passes
+    (attention.py); a padding query attends to none (its output is zeros)."""
+    first, second, source = (t.tolist() for t in rows)
+    width, seen = len(source[row]), []
+    for where in source[row]:
+        if where < len(first):  # the first pass, prompt + chosen: a prefix of the row
+            keys = first[: where + 1]
+        elif where < len(first) + len(second[row]):
+            keys = second[row][: where - len(first) + 1]
+        else:
+            keys = []
+        seen.append([key in keys for key in range(width)])
+    return seen
+
+
+def test_shared_row_what_it_sees_positions_and_targets():
     pairs = [_pair([1, 2, 3], [4, 5], [6, 7, 8]), _pair([9, 10], [11], [12])]
     batch = collate_shared_pairs(pairs, pad_id=0)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 0, 0, 0, 0]]
@@ -44,11 +62,14 @@ def test_shared_row_its_mask_positions_and_targets():
               [T, T, F, F, F, F, F, F],
               [T, T, T, F, F, F, F, F],
               [T, T, F, T, F, F, F, F],
-              [F, F, F, F, T, F, F, F],  # padding: itself only
-              [F, F, F, F, F, T, F, F],
-              [F, F, F, F, F, F, T, F],
-              [F, F, F, F, F, F, F, T]]
-    assert batch["attention_mask"].dtype == torch.bool and batch["attention_mask"].tolist() == [[first], [second]]
+              [F, F, F, F, F, F, F, F],  # padding: nothing (zeros)
+              [F, F, F, F, F, F, F, F],
+              [F, F, F, F, F, F, F, F],
+              [F, F, F, F, F, F, F, F]]
+    assert "attention_mask" not in batch and [_visible(batch[SHARED_ROWS], r) for r in (0, 1)] == [first, second]
+    # The model's mask is a placeholder of one element, 4D so that transformers builds none of its own.
+    placeholder = model_inputs(batch)["attention_mask"]
+    assert placeholder.shape == (2, 1, 8, 8) and placeholder.untyped_storage().nbytes() == 1
     # Each trained token and the position predicting it: the first rejected one from the prompt's last position.
     assert batch["loss_targets"].tolist() == [4, 5, 6, 7, 8, 11, 12]
     assert batch["loss_positions"].tolist() == [2, 3, 2, 5, 6, 8 + 1, 8 + 1]
@@ -56,9 +77,11 @@ def test_shared_row_its_mask_positions_and_targets():
     assert batch["sequence_tokens"].tolist() == [2, 1, 3, 1]
     assert batch["chosen_sequences"].tolist() == [0, 1] and batch["rejected_sequences"].tolist() == [2, 3]
     assert int(batch["num_tokens"]) == 8 + 4
-    # The attention's two causal passes a row: prompt + chosen, and prompt + rejected keeping the rejected outputs.
-    rows = [[t.tolist() for t in row] for row in batch[SHARED_ROWS]]
-    assert rows == [[[0, 1, 2, 3, 4], [0, 1, 2, 5, 6, 7], [3, 4, 5]], [[0, 1, 2], [0, 1, 3], [2]]]
+    # The attention's two causal passes: prompt + chosen (a prefix of the longest), and prompt + rejected (padded
+    # with 0); where each position's output is among theirs (5 + 6 outputs, then the padding's zeros).
+    first, second, source = (t.tolist() for t in batch[SHARED_ROWS])
+    assert first == [0, 1, 2, 3, 4] and second == [[0, 1, 2, 5, 6, 7], [0, 1, 3, 0, 0, 0]]
+    assert source == [[0, 1, 2, 3, 4, 8, 9, 10], [0, 1, 2, 7, 11, 11, 11, 11]]
     with_reference = [p._replace(ref_chosen=-1.0, ref_rejected=-2.0) for p in pairs]
     assert collate_shared_pairs(with_reference, 0)["ref_logps"].tolist() == [-1, -1, -2, -2]
 
@@ -94,11 +117,14 @@ def _random_pairs(seed=0):
 def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env, monkeypatch):
     """Per-sequence summed and mean log-probs (policy, and reference with the adapters off) and the DPO loss's
     gradients of the LoRA weights: one shared row a pair equals two rows a pair, through the chunked head and the
-    full logits, with the attention's mask (SDPA's masked kernel) and with each row's two causal passes instead
-    (attention.py: every SDPA call causal, without a mask)."""
+    full logits, through the two causal passes (attention.py: every SDPA call causal, without a mask). A model
+    whose attention does not take the rows in every layer stops at its first shared forward, with one line."""
+    from transformers import AttentionInterface
+
     from qshard.adapters import LoRALinear, adapters_disabled
-    from qshard.attention import use_shared_prompt_attention
+    from qshard.attention import shared_prompt_attention, use_shared_prompt_attention
     from qshard.build import build_model
+    from qshard.errors import QShardError
     from qshard.train.loss import ChunkedLoss, FullLogitsLoss, loss_positions
     from qshard.train.preference import PreferenceLoss
 
@@ -116,12 +142,11 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
     two_rows = collate_pairs(pairs, pad_id=0)
     two_rows["loss_positions"] = loss_positions(two_rows["labels"])  # as the trainer adds it
     shared = collate_shared_pairs(pairs, pad_id=0)
-    masked = {k: v for k, v in shared.items() if k != SHARED_ROWS}
     calls = _record_sdpa(monkeypatch)
     use_shared_prompt_attention()
     for head in (ChunkedLoss(model, chunk_tokens=5), FullLogitsLoss()):
         results = []
-        for batch, is_shared in ((two_rows, False), (masked, True), (shared, True)):
+        for batch, is_shared in ((two_rows, False), (shared, True)):
             calls.clear()
             loss_fn = PreferenceLoss(cfg, head, is_shared)
             assert loss_fn.collate is (collate_shared_pairs if is_shared else collate_pairs)
@@ -133,8 +158,8 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
             loss.backward()
             results.append((policy, reference, loss.detach(), [layer.lora_A.grad.clone() for layer in layers]))
             # 5 forwards of 2 layers (reference, policy, the loss's reference and policy, the checkpoint's recompute):
-            # with the mask, or 2 causal passes a row of 3.
-            kernels = [(False, False)] * 10 if batch is masked else [(True, True)] * 10 * 2 * 3 if is_shared else None
+            # 2 causal passes each, for the 3 rows together.
+            kernels = [(True, True)] * 10 * 2 if is_shared else None
             assert kernels is None or calls == kernels, calls
         (policy, reference, loss, grads), *shared_results = results
         assert policy[0].shape == (6,) and (reference[0] - policy[0]).abs().max() > 0.1  # the adapters matter
@@ -144,6 +169,14 @@ def test_shared_rows_give_two_rows_log_probs_and_gradients(tiny_models, dist_env
                 torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(s_loss, loss, atol=1e-6, rtol=1e-5)
             _assert_grads_close(s_grads, grads)
+    # An attention that does not pass the rows on in its second layer (it would attend through the placeholder).
+    monkeypatch.setattr(AttentionInterface, "_global_mapping", dict(AttentionInterface._global_mapping))
+    AttentionInterface.register("sdpa", lambda module, *args, **kwargs: shared_prompt_attention(
+        module, *args, **{k: v for k, v in kwargs.items() if module.layer_idx == 0 or k != SHARED_ROWS}))
+    loss_fn = PreferenceLoss(cfg, FullLogitsLoss(), True)
+    with pytest.raises(QShardError, match=r"^pref.share_prompt: LlamaForCausalLM's attention took the shared rows in "
+                                          r"1 of its 2 layers .*; set pref.share_prompt: false"):
+        loss_fn(model, shared)
 
 
 @pytest.mark.parametrize("model_type", ["phi3", "gemma", "qwen3_moe"])
@@ -243,7 +276,7 @@ def test_share_prompt_outside_the_pair_objectives_is_one_line_exit_2(setting, me
 
 
 def test_models_that_cannot_take_the_mask_run_two_rows_and_say_so(monkeypatch):
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen3NextConfig
 
     from qshard.models import shares_prompt
 
@@ -259,14 +292,46 @@ def test_models_that_cannot_take_the_mask_run_two_rows_and_say_so(monkeypatch):
         assert not shares_prompt(cfg, MistralConfig(sliding_window=4096), "sdpa", say=True)
         assert shares_prompt(cfg, MistralConfig(sliding_window=None), "sdpa")
         assert not shares_prompt(cfg, Gemma2Config(), "sdpa", say=True)
+        assert not shares_prompt(cfg, Qwen3NextConfig(num_hidden_layers=4), "sdpa", say=True)  # linear attention
         cfg.pref.share_prompt = False
         assert not shares_prompt(cfg, LlamaConfig(), "sdpa", say=True)
         cfg.pref.share_prompt, cfg.train.objective = None, "kto"
         assert not shares_prompt(cfg, LlamaConfig(), "sdpa", say=True)
     finally:
         logger.removeHandler(lines)
-    assert len(lines.lines) == 3, lines.lines
+    assert len(lines.lines) == 4, lines.lines
     assert "LlamaConfig's eager attention cannot keep a pair's rejected tokens from its chosen" in lines.lines[0]
     assert all(line.startswith("pref.share_prompt: off") and "each pair runs as two rows" in line
                for line in lines.lines)
     assert "sliding-window" in lines.lines[1] and "Gemma2Config" in lines.lines[2]
+    assert "Qwen3NextConfig's layers other than full attention (linear_attention)" in lines.lines[3], lines.lines[3]
+
+
+def test_compiled_blocks_keep_their_graphs_whatever_the_pairs_of_a_batch(tiny_models, dist_env):
+    """The rows as index tensors of the batch: batches of 1 to 5 pairs and of several lengths (eval's and
+    precompute's last chunks hold fewer) compile the blocks at most a graph for the first shape, a dynamic one,
+    and one of a single pair (torch specializes a size of 1), and never recompile past that."""
+    from torch._dynamo.utils import counters
+
+    from qshard.attention import use_shared_prompt_attention
+    from qshard.build import build_model
+
+    model_dir = tiny_models("llama")
+    cfg = Config()
+    cfg.model.path, cfg.train.precision, cfg.train.objective = str(model_dir), "fp32", "dpo"
+    cfg.parallel.compile, cfg.parallel.compile_backend = True, "aot_eager"
+    model, _ = build_model(cfg.validate(), dist_env, model_dir)
+    use_shared_prompt_attention()
+    g = torch.Generator().manual_seed(2)
+    ids = lambda: torch.randint(3, 400, (int(torch.randint(1, 6, (), generator=g)),), generator=g).tolist()  # noqa: E731
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch.no_grad():
+            for pairs in (3, 2, 4, 1, 5, 2):
+                batch = collate_shared_pairs([_pair(ids(), ids(), ids()) for _ in range(pairs)], pad_id=0)
+                model(**model_inputs(batch), use_cache=False)
+        graphs = dict(counters["stats"])["unique_graphs"]
+        assert graphs <= 3, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()

@@ -89,15 +89,20 @@ def check_positions(hf_config: PretrainedConfig, longest: int, max_length: int) 
 
 def prompt_sharing_blocker(hf_config: PretrainedConfig, attn_implementation: str) -> str | None:
     """Why this model cannot run pref.share_prompt's rows, or None where it can. Their attention is sdpa's, two
-    causal passes a row (attention.py) or the row's boolean mask: eager attention would add that mask as a float
-    bias (its Trues as 1s); and neither the passes nor a mask given to transformers keep a sliding window."""
+    causal passes a row (attention.py), which transformers' sdpa attention alone runs; and the passes keep no sliding
+    window, nor do they run a hybrid model's linear-attention or state-space layers."""
     if attn_implementation != "sdpa":
         return f"{attn_implementation} attention"
     text = hf_config.get_text_config()
     layer_types = getattr(text, "layer_types", None)
-    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
-               else getattr(text, "sliding_window", None) is not None)
-    return "sliding-window attention layers" if sliding else None
+    if not layer_types:
+        return "sliding-window attention layers" if getattr(text, "sliding_window", None) is not None else None
+    others = sorted({t for t in layer_types if t != "full_attention"})
+    if not others:
+        return None
+    # Hybrid models' linear-attention or state-space layers take no rows either.
+    return ("sliding-window attention layers" if others == ["sliding_attention"]
+            else f"layers other than full attention ({', '.join(others)})")
 
 
 def shares_prompt(cfg: Config, hf_config: PretrainedConfig, attn_implementation: str, say: bool = False) -> bool:
@@ -124,15 +129,14 @@ def prompt_tokens_shared(cfg: Config, length: int) -> int:
     return min(cfg.pref.max_prompt_length or 0, length - 1)
 
 
-def dense_mask_bytes(cfg: Config) -> int:
+def dense_mask_bytes(cfg: Config, shared: bool = False) -> int:
     """Bytes of the [rows, L, L] attention mask transformers builds for each micro-batch where attention cannot
     run causally without one: packed rows (a block-diagonal mask), micro-batches of several (padded) rows, or
     eager attention. 0 for one unpacked row per micro-batch under sdpa, which gets no mask and runs SDPA's
-    causal kernel (memory linear in the sequence). A preference pair is two rows (chosen, rejected), or under
-    pref.share_prompt one row of its prompt and both completions, always masked."""
-    if cfg.model.attn_implementation == "sdpa" and prompt_sharing_asked(cfg):
-        length = 2 * cfg.data.max_length - prompt_tokens_shared(cfg, cfg.data.max_length)
-        return cfg.train.micro_batch_size * length * length
+    causal kernel (memory linear in the sequence). A preference pair is two padded rows, always masked; 0 where
+    the pairs run as shared rows (`shared`: `shares_prompt` for the model), whose two causal passes need none."""
+    if shared:
+        return 0
     rows, length = _rows_per_micro_batch(cfg), cfg.data.max_length
     if cfg.model.attn_implementation == "sdpa" and not cfg.data.packing and rows == 1:
         return 0
@@ -143,10 +147,10 @@ def _rows_per_micro_batch(cfg: Config) -> int:
     return cfg.train.micro_batch_size * (2 if cfg.train.objective in PAIR_OBJECTIVES else 1)
 
 
-def warn_dense_mask(cfg: Config, threshold: int = 1 << 30) -> None:
+def warn_dense_mask(cfg: Config, shared: bool = False, threshold: int = 1 << 30) -> None:
     """One warning where `dense_mask_bytes` reaches `threshold`: at long context such a mask alone can outgrow
     the device, and how to avoid it is a setting away."""
-    nbytes = dense_mask_bytes(cfg)
+    nbytes = dense_mask_bytes(cfg, shared)
     if nbytes >= threshold:
         log.warning("attention: with data.max_length %d, %s builds a dense attention mask of %.1f GiB per micro-"
                     "batch; for long sequences use train.micro_batch_size 1, data.packing false and "
@@ -159,11 +163,9 @@ def _mask_reason(cfg: Config) -> str:
         return f"model.attn_implementation {cfg.model.attn_implementation}"
     if cfg.data.packing:
         return "data.packing"
-    if prompt_sharing_asked(cfg):
-        return ("pref.share_prompt (each pair is one row of its prompt and both completions; set it false for "
-                "two unmasked rows at micro-batch 1)")
     if cfg.train.objective in PAIR_OBJECTIVES:
-        return f"train.objective {cfg.train.objective} (each pair is two padded rows; shorten data.max_length)"
+        return (f"train.objective {cfg.train.objective} (each pair is two padded rows; pref.share_prompt, where the "
+                f"model allows it, runs a pair as one row without a mask; or shorten data.max_length)")
     return f"train.micro_batch_size {cfg.train.micro_batch_size} (padded rows)"
 
 

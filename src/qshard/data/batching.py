@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from qshard.attention import SHARED_ROWS
+from qshard.attention import SHARED_ROWS, mask_placeholder
 from qshard.data.example import IGNORE_INDEX, Example
 from qshard.errors import QShardError
 
@@ -148,6 +148,9 @@ def input_tokens(batch: dict[str, torch.Tensor]) -> int:
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's keyword arguments from a collated batch: its tokens' embedding rows where the batch has them
     (model.embedding_on_host: looked up on the host, host_embedding.py), else its token ids; a shared preference
-    batch's rows among them (pref.share_prompt)."""
+    batch's rows among them (pref.share_prompt), with a placeholder of no memory for its attention mask."""
     tokens = "inputs_embeds" if "inputs_embeds" in batch else "input_ids"
-    return {k: batch[k] for k in (tokens, "attention_mask", "position_ids", SHARED_ROWS) if k in batch}
+    inputs = {k: batch[k] for k in (tokens, "attention_mask", "position_ids", SHARED_ROWS) if k in batch}
+    if SHARED_ROWS in batch:
+        inputs["attention_mask"] = mask_placeholder(batch[tokens])
+    return inputs

@@ -258,31 +258,29 @@ def _trained_rows(batch: dict[str, torch.Tensor]) -> None:
     batch["sequence_tokens"] = trained.sum(dim=1).clamp(min=1).float()
 
 
-# The parts of a shared row (collate_shared_pairs), per position.
-PROMPT, CHOSEN, REJECTED, PADDING = range(4)
+# The completions of a shared row (collate_shared_pairs).
+CHOSEN, REJECTED = range(2)
 
 
 def collate_shared_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tensor]:
     """pref.share_prompt's batch of pairs (dpo, ipo, orpo, simpo): one row a pair, its prompt, chosen and rejected
     tokens in a row (right-padded to the longest), so the prompt is computed once. The rejected tokens' positions
-    restart where the prompt ends, and a boolean attention mask [pairs, 1, L, L] (True: may attend) lets them see the
-    prompt and the earlier rejected tokens, never the chosen ones; padding sees only itself (a query that may see
-    nothing gives NaN in some attention kernels). Beside it, each row's token indices of its two causal attentions
-    (`SHARED_ROWS`, a tuple of tensors a row), which the attention takes instead of the mask (attention.py). What a
+    restart where the prompt ends; they see the prompt and the earlier rejected tokens, never the chosen ones,
+    through the two causal attentions of each row whose token indices the batch carries (`SHARED_ROWS`,
+    attention.py) instead of an attention mask (the model gets a placeholder, data/batching.py model_inputs). What a
     row trains is explicit: `loss_positions`, flat indices into [pairs x L], are the hidden states that predict
     `loss_targets` (the first rejected token is predicted by the prompt's last position, as the first chosen token
     is). The sequences and their keys are collate_pairs': every pair's chosen, then every pair's rejected."""
     parts = [_shared_row(pair) for pair in pairs]
     n, width = len(pairs), max(len(ids) for ids, *_ in parts)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    segments = torch.full((n, width), PADDING, dtype=torch.long)
     # Padding at position 0: a shared row is longer than any position its tokens use, and a position beyond
     # them would reach rope scalings that grow with the largest position given (dynamic NTK).
     position_ids = torch.zeros((n, width), dtype=torch.long)
     positions, targets, sequences = [], [], []
-    for row, (ids, segment, position, loss, _) in enumerate(parts):
+    for row, (ids, position, loss, _) in enumerate(parts):
         length = len(ids)
-        input_ids[row, :length], segments[row, :length] = torch.as_tensor(ids), torch.as_tensor(segment)
+        input_ids[row, :length] = torch.as_tensor(ids)
         position_ids[row, :length] = torch.as_tensor(position)
         for part, sequence in ((CHOSEN, row), (REJECTED, n + row)):
             where, target = loss[part]
@@ -290,19 +288,19 @@ def collate_shared_pairs(pairs: list[Pair], pad_id: int) -> dict[str, torch.Tens
             targets.append(torch.as_tensor(target))
             sequences.append(torch.full((len(target),), sequence, dtype=torch.long))
     sequence = torch.cat(sequences)
-    batch = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": _shared_mask(segments),
+    batch = {"input_ids": input_ids, "position_ids": position_ids,
              "num_tokens": torch.tensor(sum(len(ids) for ids, *_ in parts), dtype=torch.long),
              "loss_positions": torch.cat(positions).long(), "loss_targets": torch.cat(targets).long(),
              "loss_sequences": sequence,
              "sequence_tokens": torch.bincount(sequence, minlength=2 * n).clamp(min=1).float(),
              "chosen_sequences": torch.arange(n), "rejected_sequences": torch.arange(n, 2 * n),
-             SHARED_ROWS: tuple(shared_row_indices(*sizes) for *_, sizes in parts)}
+             SHARED_ROWS: shared_row_indices([sizes for *_, sizes in parts], width)}
     _references(batch, pairs, pairs, pairs)
     return batch
 
 
 def _shared_row(pair: Pair) -> tuple:
-    """(ids, segment of each, position of each, {CHOSEN: (predicting positions, targets), REJECTED: ...}, (prompt,
+    """(ids, position of each, {CHOSEN: (predicting positions, targets), REJECTED: ...}, (prompt,
     chosen, rejected) token counts) of a pair's shared row: its prompt, then the chosen row's completion, then the
     rejected row's."""
     prompt = _prompt_length(pair.chosen)
@@ -311,25 +309,13 @@ def _shared_row(pair: Pair) -> tuple:
     assert np.array_equal(chosen[:prompt], rejected[:prompt]), "a pair's rows start with the same prompt"
     c, r = len(chosen) - prompt, len(rejected) - prompt
     ids = np.concatenate([chosen, rejected[prompt:]])
-    segment = np.repeat([PROMPT, CHOSEN, REJECTED], [prompt, c, r])
     position = np.concatenate([np.arange(prompt + c), np.arange(prompt, prompt + r)])
     # Each completion token is predicted by the position before it in its own sequence: the first one by the
     # prompt's last position, the others by the completion's own.
     chosen_from = np.arange(prompt - 1, prompt + c - 1)
     rejected_from = np.concatenate([[prompt - 1], np.arange(prompt + c, prompt + c + r - 1)])[:r]
     loss = {CHOSEN: (chosen_from, chosen[prompt:]), REJECTED: (rejected_from, rejected[prompt:])}
-    return ids, segment, position, loss, (prompt, c, r)
-
-
-def _shared_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[rows, 1, L, L], True where a query (dim 2) may attend to a key (dim 3): causally, to the prompt and to its
-    own part (so the rejected never to the chosen); padding to itself only."""
-    width = segments.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    query, key = segments[:, :, None], segments[:, None, :]
-    allowed = causal & ((key == PROMPT) | (key == query))
-    allowed = torch.where(query == PADDING, torch.eye(width, dtype=torch.bool), allowed)
-    return allowed[:, None]
+    return ids, position, loss, (prompt, c, r)
 
 
 # The keys of collate_kto's mismatched rows beside the batch's own.

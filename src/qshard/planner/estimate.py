@@ -117,7 +117,7 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
     times = step_times(model, cfg, layouts[0], shapes, machine, offloaded,
                        _traced(cfg, shapes) and cfg.parallel.ac_save_projections)
     step = sum(times.values())
-    tokens = shapes.tokens * cfg.train.grad_accum * world
+    tokens = shapes.step_tokens * cfg.train.grad_accum * world
     return Estimate(
         peak_gpu_gib_per_rank=[peaks[mesh.shard_index(r)] for r in range(world)],
         parts={k: v / GIB for k, v in parts.items()},
@@ -137,13 +137,15 @@ class Shapes:
         text = model.model.config.get_text_config()
         self.seq = seq
         # per micro-batch per rank; a pair objective's micro-batch is its pairs' chosen and rejected rows, or under
-        # pref.share_prompt one row a pair of its prompt (counted once) and both completions
+        # pref.share_prompt one row a pair of its prompt (counted once) and both completions. Memory is planned for
+        # the longest such row (a short prompt, two long completions: as many tokens as two rows); the step's
+        # compute and tokens for a prompt of pref.max_prompt_length (`step_tokens`).
         rows = 2 if cfg.train.objective in PAIR_OBJECTIVES else 1
-        self.tokens = cfg.train.micro_batch_size * rows * seq
+        self.tokens = self.step_tokens = cfg.train.micro_batch_size * rows * seq
         # A shared row's attention is two causal passes (attention.py): the prompt's self-attention runs in both.
         self.attention_tokens = self.tokens
         if shares_prompt(cfg, model.model.config, cfg.model.attn_implementation):
-            self.tokens = cfg.train.micro_batch_size * (2 * seq - prompt_tokens_shared(cfg, seq))
+            self.step_tokens = cfg.train.micro_batch_size * (2 * seq - prompt_tokens_shared(cfg, seq))
         self.hidden = text.hidden_size
         head = model.model.get_output_embeddings()
         self.vocab = head.weight.shape[0] if head is not None else text.vocab_size

@@ -37,7 +37,7 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     micro = cfg.train.grad_accum
     ckpt = len(checkpointed_blocks(model.blocks, p)) / max(shapes.blocks, 1)
     frozen, trained, quantized = _linear_params(model)
-    t = shapes.tokens
+    t = shapes.step_tokens
     # Forward 2 FLOPs per weight and token, the input's gradient 2, the weight's gradient 2 where it trains;
     # checkpointed blocks run their forward again in backward.
     matmul = t * (2 * (frozen + trained) * (2 + ckpt) + 2 * trained)

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qshard.adapters import adapters_disabled
+from qshard.attention import check_rows_taken
 from qshard.config import DEFAULT_BETA, REFERENCE_OBJECTIVES, Config
 from qshard.data.preference import collate_kto, collate_pairs, collate_shared_pairs, mismatched_rows
 
@@ -231,6 +232,7 @@ class PreferenceLoss:
         self.unit = "examples" if kto else "pairs"
         self.units = _rows if kto else _pairs
         self.collate = collate_kto if kto else collate_shared_pairs if shared else collate_pairs
+        self.unchecked = shared and not kto
         self.start_step = self._kto_start_step if kto else _nothing
         self.reference_point = self._kto_reference_point if kto else _no_reference
         self.reference = (_no_reference if not self.objective.needs_reference
@@ -239,7 +241,12 @@ class PreferenceLoss:
     def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's (chosen or rejected completion's) summed and per-token mean log-prob of its trained
         tokens, in the batch's order of sequences (every chosen, then every rejected)."""
-        token = self.head.token_logps(model, batch)
+        if self.unchecked:  # pref.share_prompt's first forward: did every layer's attention take the rows?
+            self.unchecked = False
+            with check_rows_taken(model):
+                token = self.head.token_logps(model, batch)
+        else:
+            token = self.head.token_logps(model, batch)
         tokens = batch["sequence_tokens"]
         sums = token.new_zeros(tokens.shape[0]).index_add(0, batch["loss_sequences"], token)
         return sums, sums / tokens

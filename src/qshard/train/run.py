@@ -453,13 +453,14 @@ def _check_held_out(cfg: Config, inputs: _Inputs) -> None:
 def _check_positions(cfg: Config, env: DistEnv, inputs: _Inputs) -> None:
     """No sequence beyond the positions the pretrained model covers (models.position_limit). Random weights
     learned no positions, so nothing is refused for them. And a warning where attention would build a mask of
-    O(max_length^2) (models.warn_dense_mask)."""
+    O(max_length^2) (models.warn_dense_mask; none for preference pairs the model runs as shared rows)."""
+    hf_config = model_config(cfg, inputs.model_dir)
     if env.is_main:
-        models.warn_dense_mask(cfg)
+        models.warn_dense_mask(cfg, models.shares_prompt(cfg, hf_config, cfg.model.attn_implementation))
     if random_init(cfg):
         return
     longest = max(data.longest_positions(inputs.train), data.longest_positions(inputs.eval))
-    models.check_positions(model_config(cfg, inputs.model_dir), longest, cfg.data.max_length)
+    models.check_positions(hf_config, longest, cfg.data.max_length)
 
 
 def _summary(cfg: Config, env: DistEnv, run: _Run, fit: FitResult, started: float) -> dict:
