@@ -151,17 +151,19 @@ def test_refused_where_the_embedding_trains_or_is_the_head(extra, says, tiny_mod
 
 def test_plan_moves_the_embedding_from_each_gpu_to_the_host(capsys):
     """`qshard plan`: with the option the 8B embedding (128,256 x 4,096 bf16) leaves every rank's GPU peak and
-    takes host memory once per rank."""
+    takes host memory once per rank, with each rank's looked-up rows of a step and the next, pinned."""
     def plan(*extra):
         capsys.readouterr()
         assert cli_main(["plan", "--model.shape", "llama3-8b", "--gpus", "2", "--seq", "2048", "--json", *extra]) == 0
         return json.loads(capsys.readouterr().out)
 
     embedding = 128_256 * 4_096 * 2 / 2**30
+    rows = 2 * 2_048 * 4_096 * 2 / 2**30  # a step's rows and the next step's, pinned on the host (a power of two)
     off, on = plan(), plan(*ON)
     assert on["host_parts"]["input embedding"] == pytest.approx(2 * embedding, rel=1e-3), on["host_parts"]
     assert off["host_parts"]["input embedding"] == 0
-    assert on["peak_host_gib"] == pytest.approx(off["peak_host_gib"] + 2 * embedding, rel=1e-3)
+    assert on["host_parts"]["data batches"] == pytest.approx(off["host_parts"]["data batches"] + 2 * rows, rel=1e-3)
+    assert on["peak_host_gib"] == pytest.approx(off["peak_host_gib"] + 2 * embedding + 2 * rows, rel=1e-3)
     assert on["parts"]["embedding and head"] == pytest.approx(off["parts"]["embedding and head"] - embedding / 2,
                                                               abs=0.01), (on["parts"], off["parts"])
     assert on["peak_gpu_gib"] < off["peak_gpu_gib"]
