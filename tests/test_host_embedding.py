@@ -257,3 +257,19 @@ def test_each_micro_batch_gets_its_rows_at_its_forward_and_no_gradient(tiny_mode
     assert grad_rows == [False] * 6
     assert all(t.grad is None and not t.requires_grad for t in _Rows.moved)
     torch.testing.assert_close(_losses(tmp_path / "on"), _losses(tmp_path / "off"), rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_without_head_keeps_its_host_embedding_out_of_the_root(tiny_models, monkeypatch):
+    """`shard_embedding_and_head` on a model without an output head (its early return): the host embedding is
+    still among the modules the root unit leaves alone."""
+    from qshard.build import skeleton
+    from qshard.config import resolve
+    from qshard.parallel.fsdp import shard_embedding_and_head
+    from qshard.precision import precision
+
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    cfg = resolve(None, [("model.path", str(model_dir)), ("model.embedding_on_host", "true")])
+    model = skeleton(cfg, model_dir, 1, torch.device("cpu")).model
+    monkeypatch.setattr(model, "get_output_embeddings", lambda: None)
+    kept = shard_embedding_and_head(model, None, cfg.parallel, precision(cfg))  # returns before using the mesh
+    assert kept == [model.get_input_embeddings()]

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from qshard.config import Config
 from qshard.errors import QShardError
+from qshard.vocab import tied
 
 # Where the skeleton keeps its HostEmbedding: the build, the FSDP2 recipe, the planner and the trainer read it
 # from the model they are given (as vocab.VocabResize is kept).
@@ -76,12 +77,13 @@ class HostEmbedding:
 
 def _kept_on_device(model: nn.Module, embed: nn.Module, cfg: Config) -> str | None:
     """Why the embedding must stay with the GPU: it trains, or it is the head's weight; None when it need not."""
-    head = model.get_output_embeddings()
-    if head is not None and head.weight is embed.weight:
+    if tied(model):
         return ("the input embedding is tied to the output head (tie_word_embeddings), whose weight the GPU needs "
                 "at every step")
     if cfg.train.train_type == "full":
         return "train.train_type full trains the input embedding"
+    # Before the check that the embedding trains: the new tokens' rows must (vocab.check_new_tokens_trained, which
+    # runs later, would ask for the embedding to be trained, which this option then refuses).
     if cfg.data.add_special_tokens:
         return "data.add_special_tokens adds tokens whose embedding rows must train"
     if any(p.requires_grad for p in embed.parameters()):
