@@ -5,11 +5,11 @@ vocabulary) need not take GPU memory for it. With the option, the skeleton notes
 (`HostEmbedding.attach`, once, refusing an embedding that trains or that the head shares); the build keeps that
 module outside every FSDP2 unit and materializes it in host memory, where the loader writes its weight; the
 trainer looks each batch's rows up on the host while the device runs the step before (`with_input_embeddings`,
-from `Trainer._to_device`), and the model is called with `inputs_embeds` (data/batching.py, `model_inputs`).
-The module's own forward does the lookup (without its hooks), so an embedding that scales its output (Gemma 3's)
-stays right. Calls that
-pass token ids on the device (generation, one token at a time) still work: the module copies them to the host
-and its rows back (`_looked_up_where_held`).
+from `Trainer._prepared`), keeps them in pinned host memory and copies each micro-batch's to the device just
+before its forward (`Trainer._rows_to_device`); the model is called with `inputs_embeds` (data/batching.py,
+`model_inputs`). The module's own forward does the lookup (without its hooks), so an embedding that scales its
+output (Gemma 3's) stays right. Calls that pass token ids on the device (generation, one token at a time) still
+work: the module copies them to the host and its rows back (`_looked_up_where_held`).
 """
 
 from __future__ import annotations
