@@ -151,17 +151,19 @@ def test_refused_where_the_embedding_trains_or_is_the_head(extra, says, tiny_mod
 
 def test_plan_moves_the_embedding_from_each_gpu_to_the_host(capsys):
     """`qshard plan`: with the option the 8B embedding (128,256 x 4,096 bf16) leaves every rank's GPU peak and
-    takes host memory once per rank."""
+    takes host memory once per rank, with each rank's looked-up rows of a step and the next, pinned."""
     def plan(*extra):
         capsys.readouterr()
         assert cli_main(["plan", "--model.shape", "llama3-8b", "--gpus", "2", "--seq", "2048", "--json", *extra]) == 0
         return json.loads(capsys.readouterr().out)
 
     embedding = 128_256 * 4_096 * 2 / 2**30
+    rows = 2 * 2_048 * 4_096 * 2 / 2**30  # a step's rows and the next step's, pinned on the host (a power of two)
     off, on = plan(), plan(*ON)
     assert on["host_parts"]["input embedding"] == pytest.approx(2 * embedding, rel=1e-3), on["host_parts"]
     assert off["host_parts"]["input embedding"] == 0
-    assert on["peak_host_gib"] == pytest.approx(off["peak_host_gib"] + 2 * embedding, rel=1e-3)
+    assert on["host_parts"]["data batches"] == pytest.approx(off["host_parts"]["data batches"] + 2 * rows, rel=1e-3)
+    assert on["peak_host_gib"] == pytest.approx(off["peak_host_gib"] + 2 * embedding + 2 * rows, rel=1e-3)
     assert on["parts"]["embedding and head"] == pytest.approx(off["parts"]["embedding and head"] - embedding / 2,
                                                               abs=0.01), (on["parts"], off["parts"])
     assert on["peak_gpu_gib"] < off["peak_gpu_gib"]
@@ -193,3 +195,81 @@ def test_the_loader_reads_the_embedding_into_host_memory_only(staged, tiny_model
                                    rtol=0, atol=0)
     finally:
         checkpoint.close()
+
+
+class _Rows(torch.Tensor):
+    """Looked-up rows that note (in `moved`, once each) when they are sent to the device: `.to`, on CPU the same
+    call as on a GPU. What `.to` returns is a plain tensor: the model never sees this class."""
+
+    moved: list[torch.Tensor] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.to:
+            if not any(t is args[0] for t in cls.moved):
+                cls.moved.append(args[0])
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+        return out
+
+
+def test_each_micro_batch_gets_its_rows_at_its_forward_and_no_gradient(tiny_models, data, tmp_path, monkeypatch):
+    """grad_accum 3, reentrant checkpointing: each micro-batch's rows are sent to the device at its own forward
+    (not the whole step's, nor the next step's, ahead), the rows the decoder gets never require grad (no gradient
+    copied back to the host), and the first block's LoRA trains as with the embedding on the device (same losses)."""
+    from qshard.train import loop
+
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    rows_sent, grad_rows = [], []
+    looked_up = loop.with_input_embeddings
+
+    def tracked(model, batch):
+        out = looked_up(model, batch)
+        if "inputs_embeds" in out:
+            out["inputs_embeds"] = out["inputs_embeds"].as_subclass(_Rows)
+        return out
+
+    def note(_module, _args, kwargs):
+        rows = kwargs.get("inputs_embeds")
+        if rows is not None and torch.is_grad_enabled():
+            rows_sent.append(len(_Rows.moved))
+            grad_rows.append(rows.requires_grad)
+
+    from qshard.train import run as run_mod
+    build = run_mod._build
+
+    def kept(*a, **k):
+        run = build(*a, **k)
+        run.model.base_model.register_forward_pre_hook(note, with_kwargs=True)
+        return run
+
+    extra = ("--grad-accum", "3", "--batch-size", "1", "--max-steps", "2", "--train.eval_every", "0",
+             "--parallel.compile", "false", "--parallel.activation_checkpointing", "true",
+             "--parallel.ac_reentrant", "true")
+    assert cli_main(_args(model_dir, data, tmp_path / "off", "sft", *extra)) == 0
+    monkeypatch.setattr(loop, "with_input_embeddings", tracked)
+    monkeypatch.setattr(run_mod, "_build", kept)
+    monkeypatch.setattr(_Rows, "moved", [])
+    assert cli_main(_args(model_dir, data, tmp_path / "on", "sft", *ON, *extra)) == 0
+    # Each training forward one micro-batch's rows after the one before (the held-out batches' came first).
+    assert rows_sent == list(range(rows_sent[0], rows_sent[0] + 6)), rows_sent
+    assert grad_rows == [False] * 6
+    assert all(t.grad is None and not t.requires_grad for t in _Rows.moved)
+    torch.testing.assert_close(_losses(tmp_path / "on"), _losses(tmp_path / "off"), rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_without_head_keeps_its_host_embedding_out_of_the_root(tiny_models, monkeypatch):
+    """`shard_embedding_and_head` on a model without an output head (its early return): the host embedding is
+    still among the modules the root unit leaves alone."""
+    from qshard.build import skeleton
+    from qshard.config import resolve
+    from qshard.parallel.fsdp import shard_embedding_and_head
+    from qshard.precision import precision
+
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    cfg = resolve(None, [("model.path", str(model_dir)), ("model.embedding_on_host", "true")])
+    model = skeleton(cfg, model_dir, 1, torch.device("cpu")).model
+    monkeypatch.setattr(model, "get_output_embeddings", lambda: None)
+    kept = shard_embedding_and_head(model, None, cfg.parallel, precision(cfg))  # returns before using the mesh
+    assert kept == [model.get_input_embeddings()]

@@ -5,17 +5,18 @@ vocabulary) need not take GPU memory for it. With the option, the skeleton notes
 (`HostEmbedding.attach`, once, refusing an embedding that trains or that the head shares); the build keeps that
 module outside every FSDP2 unit and materializes it in host memory, where the loader writes its weight; the
 trainer looks each batch's rows up on the host while the device runs the step before (`with_input_embeddings`,
-from `Trainer._to_device`), and the model is called with `inputs_embeds` (data/batching.py, `model_inputs`).
-The module itself does the lookup, so an embedding that scales its output (Gemma 3's) stays right. Calls that
-pass token ids on the device (generation, one token at a time) still work: the module copies them to the host
-and its rows back (`_looked_up_where_held`).
+from `Trainer._prepared`), keeps them in pinned host memory and copies each micro-batch's to the device just
+before its forward (`Trainer._rows_to_device`); the model is called with `inputs_embeds` (data/batching.py,
+`model_inputs`). The module's own forward does the lookup (without its hooks), so an embedding that scales its
+output (Gemma 3's) stays right. Calls that pass token ids on the device (generation, one token at a time) still
+work: the module copies them to the host and its rows back (`_looked_up_where_held`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,14 @@ import torch.nn as nn
 
 from qshard.config import Config
 from qshard.errors import QShardError
+from qshard.vocab import tied
 
 # Where the skeleton keeps its HostEmbedding: the build, the FSDP2 recipe, the planner and the trainer read it
 # from the model they are given (as vocab.VocabResize is kept).
 _ATTRIBUTE = "qshard_host_embedding"
 HOST = torch.device("cpu")
+# The batch key of the rows looked up on the host, which the trainer keeps there until the micro-batch's forward.
+HOST_ROWS = "inputs_embeds"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class HostEmbedding:
 
     module: nn.Module
     dtype: torch.dtype
+    # The module's own forward (its scaling included), called without the module's hooks: a hook that makes the
+    # output require grad (transformers' enable_input_require_grads) would make the rows' copy to the device part
+    # of the graph, and every backward end with a gradient copied back to the host.
+    forward: Callable[[torch.Tensor], torch.Tensor]
 
     @staticmethod
     def attach(model: nn.Module, cfg: Config, dtype: torch.dtype) -> HostEmbedding | None:
@@ -47,8 +55,8 @@ class HostEmbedding:
         reason = _kept_on_device(model, embed, cfg)
         if reason:
             raise QShardError(f"model.embedding_on_host: {reason}; set model.embedding_on_host: false")
+        record = HostEmbedding(embed, dtype, embed.forward)
         embed.forward = _looked_up_where_held(embed)
-        record = HostEmbedding(embed, dtype)
         setattr(model, _ATTRIBUTE, record)
         return record
 
@@ -64,17 +72,18 @@ class HostEmbedding:
     @torch.no_grad()
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of host `ids` as the model's embedding gives them, in the compute dtype, without grad."""
-        return self.module(ids).to(self.dtype)
+        return self.forward(ids).to(self.dtype).detach()
 
 
 def _kept_on_device(model: nn.Module, embed: nn.Module, cfg: Config) -> str | None:
     """Why the embedding must stay with the GPU: it trains, or it is the head's weight; None when it need not."""
-    head = model.get_output_embeddings()
-    if head is not None and head.weight is embed.weight:
+    if tied(model):
         return ("the input embedding is tied to the output head (tie_word_embeddings), whose weight the GPU needs "
                 "at every step")
     if cfg.train.train_type == "full":
         return "train.train_type full trains the input embedding"
+    # Before the check that the embedding trains: the new tokens' rows must (vocab.check_new_tokens_trained, which
+    # runs later, would ask for the embedding to be trained, which this option then refuses).
     if cfg.data.add_special_tokens:
         return "data.add_special_tokens adds tokens whose embedding rows must train"
     if any(p.requires_grad for p in embed.parameters()):

@@ -29,6 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from qshard.config import ParallelConfig
 from qshard.errors import QShardError
+from qshard.host_embedding import HostEmbedding
 
 
 def checkpointed_blocks(blocks: list[nn.Module], p: ParallelConfig) -> list[nn.Module]:
@@ -60,8 +61,14 @@ def apply_activation_checkpointing(
         block.gradient_checkpointing = True
         block._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
     # A reentrant checkpoint computes parameter gradients only if one of its inputs requires grad; the
-    # first block's input comes from frozen embeddings (LoRA, QLoRA), so make it require grad.
-    model.enable_input_require_grads()
+    # first block's input comes from frozen embeddings (LoRA, QLoRA), so make it require grad. An embedding
+    # looked up on the host (host_embedding.py) is not called in the step: the first block's input is made to.
+    if HostEmbedding.of(model) is None:
+        model.enable_input_require_grads()
+    else:
+        from qshard.parallel.compile import first_block_shares_the_graph  # compile.py imports this module
+
+        first_block_shares_the_graph(blocks)
 
 
 def _draws_random_numbers(op, args, kwargs) -> bool:

@@ -184,8 +184,8 @@ def shard_embedding_and_head(model: nn.Module, mesh: DeviceMesh, parallel: Paral
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None or head.weight is embed.weight:
         # A tied pair stays in one unit, the root (materialized outside FSDP2, its two modules would get a
-        # parameter each).
-        return []
+        # parameter each); an embedding on the host (never tied) in none, without a head too.
+        return host_modules(model)
     mp, offload = prec.mp_policy(), offload_policy(parallel)
     kept = [*kept_embedding_and_head(model, mesh.size(), parallel, prec), *host_modules(model)]
     resident = resident_embedding_and_head(model, parallel)

@@ -381,8 +381,10 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
         "input embedding": sum(p.stored_bytes for p in plans if p.on_host and p.holder == "in_place") * ranks,
         "offloaded activations (pinned)": offloaded_acts * ranks,
         # The tokenized data is memory-mapped (data/store.py): page cache, not the process's. What is its own:
-        # a step's batch and the next one prefetched, ids, labels and positions as int64, pinned on CUDA.
-        "data batches": _pinned(2 * 3 * 8 * shapes.tokens * cfg.train.grad_accum) * ranks,
+        # a step's batch and the next one prefetched, ids, labels and positions as int64, pinned on CUDA, and
+        # under model.embedding_on_host each micro-batch's rows (on the GPU one at a time, as the first block's
+        # input, which the activations count).
+        "data batches": (_pinned(2 * 3 * 8 * shapes.tokens * cfg.train.grad_accum) + _host_rows(cfg, shapes)) * ranks,
     }
     # Loading: each rank's offloaded shards exist from the start, and a checkpoint's tensors pass through the
     # read-ahead's ring of pinned buffers (loading/read_ahead.py); random weights are generated on the GPU.
@@ -390,6 +392,13 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
     loading = parts["process and libraries"] + parts["offloaded weights (pinned)"] + parts["input embedding"] + \
         ring * ranks
     return parts, loading
+
+
+def _host_rows(cfg: Config, shapes: Shapes) -> float:
+    """model.embedding_on_host: a step's and the next step's micro-batches' embedding rows, pinned (bytes)."""
+    if not cfg.model.embedding_on_host:
+        return 0.0
+    return 2 * cfg.train.grad_accum * _pinned(shapes.tokens * shapes.hidden * shapes.compute)
 
 
 def _pinned(nbytes: float) -> float:

@@ -15,7 +15,7 @@ from qshard.attention import use_shared_prompt_attention
 from qshard.checkpoint import CheckpointManager
 from qshard.config import Config
 from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, for_epoch, input_tokens
-from qshard.host_embedding import with_input_embeddings
+from qshard.host_embedding import HOST_ROWS, with_input_embeddings
 from qshard.models import shares_prompt
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
@@ -160,6 +160,7 @@ class Trainer:
         metric_sums = torch.zeros(2 * len(self.objective.metrics), device=self.env.device)
         self.objective.start_step(self.model, batches)
         for batch in batches:
+            batch = self._rows_to_device(batch)  # model.embedding_on_host: this micro-batch's rows only
             with self.activation_offload(batch["input_ids"].numel()):
                 loss, sums = self.objective(self.model, batch)
             self.scaler.scale(loss * scale).backward()
@@ -201,7 +202,7 @@ class Trainer:
         # summed over ranks on the device, and used there: reading the sum back would wait for the device.
         counts = self._all_sum([sum(self.objective.units(b) for b in host), sum(input_tokens(b) for b in host)])
         scale = (self.env.world_size / counts[0].clamp(min=1)).float()
-        return StepInputs([self._to_device(b) for b in host], scale, counts)
+        return StepInputs([self._prepared(b) for b in host], scale, counts)
 
     def finish(self, issued: IssuedStep) -> dict:
         """Wait for an issued step and return its record. A loss or gradient norm that is not finite is
@@ -363,18 +364,34 @@ class Trainer:
         return self.objective.collate([examples[i] for i in indices], self.pad_id)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A collated batch on the device (`_prepared`, its host embedding rows included)."""
+        return self._rows_to_device(self._prepared(batch))
+
+    def _prepared(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch on the device, with what the step would otherwise ask the device for decided here
         on the host (every such question waits for the GPU to finish its queue): the flat positions the loss
         is computed at (from the labels as they are now: change them before, not after; a batch that names its
         targets, `loss_targets`, came with its positions), and no attention mask where nothing is padded (the
-        causal mask alone is the same, and transformers would check the mask's values on the device)."""
+        causal mask alone is the same, and transformers would check the mask's values on the device). Its
+        tokens' host embedding rows (model.embedding_on_host) are looked up here and stay in pinned host memory
+        until `_rows_to_device`: a step's prepared micro-batches would otherwise hold all of theirs on the GPU."""
         batch = dict(batch)
         if "loss_targets" not in batch:
             batch["loss_positions"] = loss_positions(batch["labels"])
         if "attention_mask" in batch and bool(batch["attention_mask"].all()):
             del batch["attention_mask"]
         batch = with_input_embeddings(self.model, batch)  # model.embedding_on_host: the rows, looked up here
-        return {k: self._on_device(v) for k, v in batch.items()}
+        return {k: self._pinned(v) if k == HOST_ROWS else self._on_device(v) for k, v in batch.items()}
+
+    def _rows_to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The prepared batch with its host embedding rows copied to the device, just before its forward (from
+        pinned memory, without waiting); the copy is freed with the batch, after its backward."""
+        if HOST_ROWS not in batch:
+            return batch
+        return {**batch, HOST_ROWS: batch[HOST_ROWS].to(self.env.device, non_blocking=True)}
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory() if self.env.device.type == "cuda" else t
 
     def _on_device(self, t: torch.Tensor | tuple) -> torch.Tensor | tuple:
         if isinstance(t, tuple):  # a shared preference batch's rows: tensors in tuples
