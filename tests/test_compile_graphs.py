@@ -203,3 +203,51 @@ def test_offloaded_blocks_resident_or_not_checkpointed_fetch_only_what_they_need
     # last streamed block it is) for the next forward, and block 2 is never staged again at the turn.
     assert compiled["staged"] == [(1, None), (2, 1), (1, -1)] + [(2, 1), (1, -1)]
     assert compiled["paths"] == {"staged": 2 * 28, "clone": 2 * 42}, compiled["paths"]
+
+
+def test_offloaded_qdora_blocks_fetch_each_tensor_once_a_pass(dist_env, tiny_models):
+    """QDoRA asks for a layer's storage for its base matmul and for its weight's norm, and with adapter dropout
+    for a second base matmul (in forward and backward): compiled offloaded blocks must not fetch any of these from
+    host memory again on the compute stream, in training with dropout (two micro-batches) nor in an evaluation
+    forward without gradients. Offloaded (one fetch for all three) and not, QDoRA computes the same losses and
+    gradients, dropout included (eager blocks, same draws); compiled, the same evaluation loss."""
+    model_dir = tiny_models("llama", num_hidden_layers=2)
+    batch = {"input_ids": torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))}
+    runs = {}
+    for offloaded, compiled in ((False, False), (True, False), (True, True)):
+        cfg = Config()
+        cfg.lora.rank, cfg.lora.dropout = 8, 0.1
+        cfg.train.train_type, cfg.train.precision = "qdora", "fp32"
+        cfg.parallel.compile = compiled
+        if compiled:
+            cfg.parallel.compile_backend = "aot_eager"
+        cfg.parallel.quant_sharding, cfg.parallel.cpu_offload = "dtensor", offloaded
+        torch.manual_seed(0)
+        model, _ = build_model(cfg.validate(), dist_env, model_dir)
+        if offloaded:
+            _, fetched, window = _watch_fetches(model)
+        torch._dynamo.reset()
+        try:
+            model.train()
+            losses = []
+            for micro_batch in range(2):
+                torch.manual_seed(1 + micro_batch)  # the same dropout draws in every run
+                loss = model(**batch, use_cache=False).logits.float().square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+            model.eval()
+            with torch.no_grad():
+                evaluated = model(**batch, use_cache=False).logits.float().square().mean()
+            runs[offloaded, compiled] = {"losses": torch.stack(losses), "eval": evaluated, "grads": {
+                n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}}
+        finally:
+            torch._dynamo.reset()
+    assert fetched and window.paths.get("host", 0) == 0, window.paths
+    plain, eager, compiled = runs[False, False], runs[True, False], runs[True, True]
+    # A, B and the magnitude of q, k, v, o, gate, up and down (block 0's, at least).
+    assert len(plain["grads"]) >= 7 * 3 and eager["grads"].keys() == plain["grads"].keys()
+    torch.testing.assert_close(eager["losses"], plain["losses"], rtol=1e-6, atol=1e-6)
+    for name in plain["grads"]:
+        torch.testing.assert_close(eager["grads"][name], plain["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    for run in (eager, compiled):
+        torch.testing.assert_close(run["eval"], plain["eval"], rtol=1e-6, atol=1e-6)
