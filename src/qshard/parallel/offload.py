@@ -273,8 +273,10 @@ class StorageWindow:
     as the previous block starts, it runs under that block's compute; an event orders the first use after
     the copy. Forward visits blocks in order; backward, and with it the recomputation of checkpointed blocks
     (which runs inside backward), in reverse, so the next block is chosen by whether autograd's engine is
-    running. Where no prefetch was made (the first block, a direction change) the copy is made on demand, on
-    the side stream all the same.
+    running. At a turn (forward to backward, backward to the next forward) the next pass starts from the copy of
+    the block the last one ended with; the first streamed block after resident ones is prefetched by the last
+    resident block's forward (`_prefetch_after_resident`). Where no prefetch was made (the very first block) the
+    copy is made on demand, on the side stream all the same.
 
     Compiled blocks use the window too, through the `qshard::storage_to_device` operator (`fetch_owned`), which
     the compiler does not trace into: the streams, events and Python state stay out of the graph. A tiled MLP's
