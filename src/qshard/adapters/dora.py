@@ -118,5 +118,9 @@ class DoRALinear(LoRALinear):
         out = RefetchingMatmul.apply(inputs, self.base, self.base.dequantize(storage, x.dtype))
         if self.base.bias is not None:
             out = out + self.base.bias.to(out.dtype)
-        y, base_part = (out, out) if dropped is None else out.chunk(2)
-        return y, base_part, norm
+        if dropped is None:
+            return out, out, norm
+        y, base_part = out.chunk(2)
+        # Autograd saves base_part for the magnitude's gradient: in memory of its own, so that it does not keep
+        # y's half of the matmul's output alive until backward.
+        return y, base_part.clone(), norm
