@@ -32,8 +32,10 @@ tok/s is the median over the steps after `--warmup` (from metrics.jsonl: input t
 step included). qshard sums the step's input tokens over all ranks before dividing (train/loop.py), so with
 N GPUs it is the whole run's throughput; result.json also gives it per GPU. Peak GPU memory is torch's
 max_memory_allocated (and max_memory_reserved, what the cap bounds) over the whole run, loading included,
-per rank on that rank's device; peak CPU RSS is each process's ru_maxrss, and their sum (an upper bound on
-the machine's peak: the ranks need not peak at the same moment) is the CPU RAM of the whole run.
+per rank on that rank's device, with the allocator's num_alloc_retries and num_ooms (a retry frees the cached
+blocks and synchronizes: a cap too tight for the run shows there before it fails); peak CPU RSS is each
+process's ru_maxrss, and their sum (an upper bound on the machine's peak: the ranks need not peak at the same
+moment) is the CPU RAM of the whole run.
 """
 
 from __future__ import annotations
@@ -122,6 +124,15 @@ def peak_cpu_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
+def allocator_retries(device: int | None) -> dict:
+    """How often torch's CUDA allocator, short of memory under the cap, freed its cached blocks and tried again
+    (each retry synchronizes the device), and how often it still failed; None without CUDA."""
+    import torch
+
+    stats = torch.cuda.memory_stats(device) if device is not None else {}
+    return {key: stats.get(key) if device is not None else None for key in ("num_alloc_retries", "num_ooms")}
+
+
 def make_data(args: argparse.Namespace) -> Path:
     """The training data at the benchmark's sequence length: enough examples for every step's global batch."""
     data = args.out / f"data-{args.seq}.jsonl"
@@ -173,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         "losses": [r["loss"] for r in steps],
         "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if fraction is not None else None,
         "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if fraction is not None else None,
+        **allocator_retries(0 if fraction is not None else None),
         "peak_cpu_rss_gib": peak_cpu_rss_gib(),
         "wall_s": wall,
         "command": shlex.join(["python", "-m", "qshard", *argv_q]),
@@ -221,6 +233,7 @@ def worker(args: argparse.Namespace) -> dict:
         "memory_fraction": fraction,
         "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated(local_rank) / 2**30 if cuda else None,
         "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(local_rank) / 2**30 if cuda else None,
+        **allocator_retries(local_rank if cuda else None),
         "peak_cpu_rss_gib": peak_cpu_rss_gib(),
         "wall_s": wall,
         "torch": torch.__version__,
@@ -291,6 +304,8 @@ def launch(args: argparse.Namespace, argv: list[str], data: Path) -> dict:
         "peak_gpu_reserved_gib": reserved,
         "peak_gpu_allocated_gib_max": max(allocated) if cuda else None,
         "peak_gpu_reserved_gib_max": max(reserved) if cuda else None,
+        "num_alloc_retries": [rec["num_alloc_retries"] for rec in ranks],
+        "num_ooms": [rec["num_ooms"] for rec in ranks],
         "peak_cpu_rss_gib": rss,
         "peak_cpu_rss_gib_sum": sum(rss),
         "wall_s": wall,

@@ -35,6 +35,7 @@ def test_two_workers_report_each_rank_and_match_one_process(tmp_path):
     assert math.isclose(result["peak_cpu_rss_gib_sum"], sum(result["peak_cpu_rss_gib"]))
     assert result["peak_gpu_allocated_gib"] == [None, None]  # no CUDA here: no cap, no GPU peaks
     assert result["cap_gib"] is None and result["peak_gpu_reserved_gib_max"] is None
+    assert result["num_alloc_retries"] == result["num_ooms"] == [None, None]  # the CUDA allocator's, per rank
     assert "--nproc 2" in result["command"] and result["worker_command"].endswith("--worker")
     assert "--parallel.cpu_offload true" in result["qshard_command"]
     losses = result["losses"]
@@ -45,6 +46,7 @@ def test_two_workers_report_each_rank_and_match_one_process(tmp_path):
     runpy.run_path(SCRIPT)["main"](["--out", str(tmp_path / "one"), "--dry-run", "--grad-accum", "2"])
     single = json.loads((tmp_path / "one" / "result.json").read_text())
     assert single["nproc"] == 1 and isinstance(single["peak_cpu_rss_gib"], float)
+    assert "num_alloc_retries" in single and single["num_alloc_retries"] is None and single["num_ooms"] is None
     assert len(single["losses"]) == 3
     assert all(abs(a - b) < 1e-4 for a, b in zip(losses, single["losses"])), (losses, single["losses"])
 

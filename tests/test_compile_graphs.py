@@ -90,17 +90,19 @@ def test_every_block_runs_one_graph_that_the_caches_can_keep_and_trains_like_eag
         torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def _watch_fetches(model) -> tuple[list, list]:
+def _watch_fetches(model) -> tuple[list, list, object]:
     """What the offload window does from here on, recorded: each block it stages, with the direction of the pass
-    (1 forward, -1 backward), and each storage tensor a compiled graph fetches through `qshard::storage_to_device`
-    (`StorageWindow.fetch_owned`), with the block, the direction, whether a backward graph asked, and a weak
-    reference to what it got."""
+    (1 forward, -1 backward, None before any fetch) and how many blocks the window held staged at that moment
+    (its old copy of the block dropped first), and each storage tensor a compiled graph fetches through
+    `qshard::storage_to_device` (`StorageWindow.fetch_owned`), with the block, the direction, whether a backward
+    graph asked, and a weak reference to what it got. Also the window (its `paths`)."""
     window = next(m.offloaded.window for m in model.modules() if getattr(m, "offloaded", None) is not None)
     staged, fetched = [], []
     stage, fetch_owned = window._stage, window.fetch_owned
 
     def recorded_stage(block: int):
-        staged.append((block, window._position[1]))
+        assert block not in window.staged and len(window.staged) <= 1, (block, list(window.staged))
+        staged.append((block, window._position[1] if window._position else None))
         return stage(block)
 
     def recorded_fetch(block: int, index: int, which: int, backward: bool):
@@ -109,7 +111,7 @@ def _watch_fetches(model) -> tuple[list, list]:
         return got
 
     window._stage, window.fetch_owned = recorded_stage, recorded_fetch
-    return staged, fetched
+    return staged, fetched, window
 
 
 def _fetch_counts(fetched: list) -> dict:
@@ -119,25 +121,30 @@ def _fetch_counts(fetched: list) -> dict:
 
 
 def _offloaded_runs(dist_env, model_dir, backend: str = "aot_eager", **parallel) -> dict:
-    """Eager and compiled blocks under cpu_offload with quant_sharding dtensor, one forward and backward each:
-    losses, gradients, and in the compiled run the graphs compiled and what the offload window did."""
+    """Eager and compiled blocks under cpu_offload with quant_sharding dtensor, two micro-batches' forward and
+    backward each (gradients accumulated): losses, gradients, and in the compiled run the graphs compiled and what
+    the offload window did. No fetch of the compiled run copies from host memory on the compute stream."""
     batch = {"input_ids": torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))}
     runs = {}
     for compiled in (False, True):
         model = _tiny_qlora(dist_env, model_dir, compiled, backend, quant_sharding="dtensor", cpu_offload=True,
                             **parallel)
         assert all(layer.offloaded is not None for layer in model.modules() if hasattr(layer, "STORAGE"))
-        staged, fetched = _watch_fetches(model)
+        staged, fetched, window = _watch_fetches(model)
         torch._dynamo.reset()
         counters.clear()
         try:
-            with torch._functorch.config.patch(force_autograd_cache=True):
-                loss = model(**batch, use_cache=False).logits.float().square().mean()
-            # What forward fetched is gone before backward: nothing keeps a block's copy for backward.
-            kept = [block for block, _, _, got in fetched if got() is not None]
-            loss.backward()
+            losses = []
+            for micro_batch in range(2):
+                with torch._functorch.config.patch(force_autograd_cache=True):
+                    loss = model(**batch, use_cache=False).logits.float().square().mean()
+                if micro_batch == 0:  # what forward fetched is gone before backward: nothing keeps a block's copy
+                    kept = [block for block, _, _, got in fetched if got() is not None]
+                loss.backward()
+                losses.append(loss.detach())
             runs[compiled] = {
-                "loss": loss.detach(), "staged": staged, "fetched": _fetch_counts(fetched), "kept": kept,
+                "loss": torch.stack(losses), "staged": staged, "fetched": _fetch_counts(fetched), "kept": kept,
+                "paths": dict(window.paths),
                 "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None},
                 "stats": dict(counters["stats"]), "guard_failures": dict(torch._dynamo.utils.guard_failures),
                 "aot": dict(counters["aot_autograd"]),
@@ -145,7 +152,8 @@ def _offloaded_runs(dist_env, model_dir, backend: str = "aot_eager", **parallel)
         finally:
             torch._dynamo.reset()
     eager, compiled = runs[False], runs[True]
-    assert eager["fetched"] == {}  # eager blocks fetch through StorageWindow.fetch, not the operator
+    assert eager["fetched"] == {} and eager["paths"] == {}  # eager blocks fetch through StorageWindow.fetch
+    assert compiled["paths"].get("host", 0) == 0, compiled["paths"]
     assert eager["grads"].keys() == compiled["grads"].keys() and len(eager["grads"]) == 3 * 14
     torch.testing.assert_close(compiled["loss"], eager["loss"], rtol=1e-6, atol=1e-6)
     # Decomposed ops (inductor's partitioner works on them) round differently, by a few parts in a million.
@@ -169,9 +177,13 @@ def test_blocks_with_offloaded_storage_share_one_graph_and_train_like_eager(dist
     assert not compiled["guard_failures"], compiled["guard_failures"]
     assert compiled["aot"].get("autograd_cache_bypass", 0) == 0 and compiled["aot"]["autograd_cache_miss"] == 1, \
         compiled["aot"]
-    # The last block again at the turn: the forward graph owned its staged tensors.
-    assert compiled["staged"] == [(0, 1), (1, 1), (2, 1), (2, -1), (1, -1), (0, -1)]
-    assert compiled["fetched"] == {(b, p): 14 for b in range(3) for p in ("forward", "recompute", "backward")}
+    # Never the last block again at the turn, nor block 0 at the next micro-batch's forward: the last block of a
+    # pass hands its graphs copies, and the next pass starts from its staged copy.
+    assert compiled["staged"] == [(0, 1), (1, 1), (2, 1), (1, -1), (0, -1)] + [(1, 1), (2, 1), (1, -1), (0, -1)]
+    assert compiled["fetched"] == {(b, p): 28 for b in range(3) for p in ("forward", "recompute", "backward")}
+    # Staged tensors handed out: blocks 0 and 1 forward, 2 and 1 backward; copies: the recomputation, and the
+    # last block of each pass (2 forward, 0 backward).
+    assert compiled["paths"] == {"staged": 2 * 56, "clone": 2 * 70}, compiled["paths"]
 
 
 def test_offloaded_blocks_resident_or_not_checkpointed_fetch_only_what_they_need(dist_env, tiny_models):
@@ -185,5 +197,57 @@ def test_offloaded_blocks_resident_or_not_checkpointed_fetch_only_what_they_need
                                resident_blocks=1, ac_every=2)
     assert compiled["stats"]["unique_graphs"] == 2, compiled["stats"]
     assert compiled["kept"] == []
-    assert compiled["fetched"] == {(1, "forward"): 14, (1, "backward"): 14,
-                                   (2, "forward"): 14, (2, "recompute"): 14, (2, "backward"): 14}
+    assert compiled["fetched"] == {(1, "forward"): 28, (1, "backward"): 28,
+                                   (2, "forward"): 28, (2, "recompute"): 28, (2, "backward"): 28}
+    # Block 1 is prefetched by the resident block's forward hook before any fetch, kept from the backward (whose
+    # last streamed block it is) for the next forward, and block 2 is never staged again at the turn.
+    assert compiled["staged"] == [(1, None), (2, 1), (1, -1)] + [(2, 1), (1, -1)]
+    assert compiled["paths"] == {"staged": 2 * 28, "clone": 2 * 42}, compiled["paths"]
+
+
+def test_offloaded_qdora_blocks_fetch_each_tensor_once_a_pass(dist_env, tiny_models):
+    """QDoRA asks for a layer's storage for its base matmul and for its weight's norm, and with adapter dropout
+    for a second base matmul (in forward and backward): compiled offloaded blocks must not fetch any of these from
+    host memory again on the compute stream, in training with dropout (two micro-batches) nor in an evaluation
+    forward without gradients. Offloaded (one fetch for all three) and not, QDoRA computes the same losses and
+    gradients, dropout included (eager blocks, same draws); compiled, the same evaluation loss."""
+    model_dir = tiny_models("llama", num_hidden_layers=2)
+    batch = {"input_ids": torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))}
+    runs = {}
+    for offloaded, compiled in ((False, False), (True, False), (True, True)):
+        cfg = Config()
+        cfg.lora.rank, cfg.lora.dropout = 8, 0.1
+        cfg.train.train_type, cfg.train.precision = "qdora", "fp32"
+        cfg.parallel.compile = compiled
+        if compiled:
+            cfg.parallel.compile_backend = "aot_eager"
+        cfg.parallel.quant_sharding, cfg.parallel.cpu_offload = "dtensor", offloaded
+        torch.manual_seed(0)
+        model, _ = build_model(cfg.validate(), dist_env, model_dir)
+        if offloaded:
+            _, fetched, window = _watch_fetches(model)
+        torch._dynamo.reset()
+        try:
+            model.train()
+            losses = []
+            for micro_batch in range(2):
+                torch.manual_seed(1 + micro_batch)  # the same dropout draws in every run
+                loss = model(**batch, use_cache=False).logits.float().square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+            model.eval()
+            with torch.no_grad():
+                evaluated = model(**batch, use_cache=False).logits.float().square().mean()
+            runs[offloaded, compiled] = {"losses": torch.stack(losses), "eval": evaluated, "grads": {
+                n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}}
+        finally:
+            torch._dynamo.reset()
+    assert fetched and window.paths.get("host", 0) == 0, window.paths
+    plain, eager, compiled = runs[False, False], runs[True, False], runs[True, True]
+    # A, B and the magnitude of q, k, v, o, gate, up and down (block 0's, at least).
+    assert len(plain["grads"]) >= 7 * 3 and eager["grads"].keys() == plain["grads"].keys()
+    torch.testing.assert_close(eager["losses"], plain["losses"], rtol=1e-6, atol=1e-6)
+    for name in plain["grads"]:
+        torch.testing.assert_close(eager["grads"][name], plain["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    for run in (eager, compiled):
+        torch.testing.assert_close(run["eval"], plain["eval"], rtol=1e-6, atol=1e-6)

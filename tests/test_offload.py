@@ -236,3 +236,31 @@ def test_storage_to_device_operator_returns_a_copy_of_its_shard():
     del window
     gc.collect()
     assert not any(key in offload._SHARDS for key in keys)
+
+
+def test_window_restages_a_layer_a_graph_owns_for_an_eager_fetch_dropping_the_old_copy_first():
+    """A layer's staged tensors that `fetch_owned` handed to a compiled graph (which may write over them) are not
+    what a later eager `fetch` of that layer in the same pass gets: the block is staged again, its old copy dropped
+    before the new one is made (so no more than two blocks' copies are held). Other layers, and the last block of
+    a pass (whose graphs get copies, not the staged tensors), are not staged again."""
+    from qshard.parallel import offload
+
+    window = offload.StorageWindow(torch.device("cpu"))
+    layout = [[(0, torch.uint8, torch.Size([4, 8])), (128, torch.int32, torch.Size([4, 2]))]] * 2
+    for _ in range(3):
+        window.blocks.append(offload._BlockStorage(layout, 160, pin=False))
+    stages = []
+    stage = window._stage
+    window._stage = lambda block: stages.append((block, sorted(window.staged))) or stage(block)
+    window.fetch_owned(1, 0, 0, backward=False)
+    assert stages == [(1, []), (2, [1])] and window.paths == {"staged": 1}
+    window.fetch(1, 1)  # another layer: its tensors are clean
+    assert len(stages) == 2
+    window.fetch(1, 0)
+    assert stages[2:] == [(1, [2])]  # block 1 again, its old copy gone first
+    window.fetch(1, 0)
+    assert len(stages) == 3  # the new copy is the eager fetch's: not staged a third time
+    window.fetch_owned(2, 0, 0, backward=False)
+    assert window.paths == {"staged": 1, "clone": 1}
+    window.fetch(2, 0)
+    assert len(stages) == 3

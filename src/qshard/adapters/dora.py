@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from qshard.adapters.lora import LoRALinear
 from qshard.quant import QuantizedLinear
+from qshard.quant.linear import full_storage
+from qshard.quant.matmul import RefetchingMatmul
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -81,22 +83,44 @@ class DoRALinear(LoRALinear):
         return a, b
 
     @torch.no_grad()
-    def weight_norm(self) -> torch.Tensor:
-        """||W0 + (alpha/r) B A|| per output row, in fp32, outside autograd (the paper's constant norm)."""
+    def weight_norm(self, base: torch.Tensor | None = None) -> torch.Tensor:
+        """||W0 + (alpha/r) B A|| per output row, in fp32, outside autograd (the paper's constant norm);
+        `base`: W0 in fp32 where the caller has it."""
         delta = self.lora_B.float() @ self.lora_A.float()
-        return torch.linalg.vector_norm(dense_base(self.base, torch.float32) + self.scaling * delta, dim=1)
+        base = dense_base(self.base, torch.float32) if base is None else base
+        return torch.linalg.vector_norm(base + self.scaling * delta, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.adapter_enabled:
             return self.base(x)
-        y = self.base(x)
-        scale = (self.magnitude.float() / self.weight_norm()).to(x.dtype)
-        if self.training and isinstance(self.dropout, nn.Dropout):
-            x = self.dropout(x)
-            base_part = self.base(x)
+        dropped = self.dropout(x) if self.training and isinstance(self.dropout, nn.Dropout) else None
+        if isinstance(self.base, QuantizedLinear) and self.base.offloaded is not None:
+            y, base_part, norm = self._offloaded_base(x, dropped)
         else:
-            base_part = y
+            y, norm = self.base(x), self.weight_norm()
+            base_part = y if dropped is None else self.base(dropped)
+        scale = (self.magnitude.float() / norm).to(x.dtype)
         if self.base.bias is not None:
             base_part = base_part - self.base.bias.to(y.dtype)
+        x = x if dropped is None else dropped
         update = F.linear(F.linear(x, self.lora_A.to(x.dtype)) * self.scaling, self.lora_B.to(x.dtype))
         return y + (scale - 1) * base_part + scale * update
+
+    def _offloaded_base(self, x: torch.Tensor, dropped: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """base(x), base(dropped) (or base(x) again without dropout) and the weight's norm, from one fetch of the
+        base's storage kept in host memory (parallel.cpu_offload): a compiled block's second fetch of a tensor in
+        one pass would be a copy from host memory on the compute stream. Both inputs go through one matmul, so
+        that its backward fetches the storage once too."""
+        storage = full_storage(self.base)
+        norm = self.weight_norm(self.base.dequantize(storage, torch.float32))
+        inputs = x if dropped is None else torch.cat([x, dropped])
+        out = RefetchingMatmul.apply(inputs, self.base, self.base.dequantize(storage, x.dtype))
+        if self.base.bias is not None:
+            out = out + self.base.bias.to(out.dtype)
+        if dropped is None:
+            return out, out, norm
+        y, base_part = out.chunk(2)
+        # Autograd saves base_part for the magnitude's gradient: in memory of its own, so that it does not keep
+        # y's half of the matmul's output alive until backward.
+        return y, base_part.clone(), norm

@@ -29,6 +29,7 @@ import bisect
 import contextlib
 import logging
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -272,8 +273,10 @@ class StorageWindow:
     as the previous block starts, it runs under that block's compute; an event orders the first use after
     the copy. Forward visits blocks in order; backward, and with it the recomputation of checkpointed blocks
     (which runs inside backward), in reverse, so the next block is chosen by whether autograd's engine is
-    running. Where no prefetch was made (the first block, a direction change) the copy is made on demand, on
-    the side stream all the same.
+    running. At a turn (forward to backward, backward to the next forward) the next pass starts from the copy of
+    the block the last one ended with; the first streamed block after resident ones is prefetched by the last
+    resident block's forward (`_prefetch_after_resident`). Where no prefetch was made (the very first block) the
+    copy is made on demand, on the side stream all the same.
 
     Compiled blocks use the window too, through the `qshard::storage_to_device` operator (`fetch_owned`), which
     the compiler does not trace into: the streams, events and Python state stay out of the graph. A tiled MLP's
@@ -286,26 +289,56 @@ class StorageWindow:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.staged: dict[int, _Staged] = {}
         self._position: tuple[int, int] | None = None  # (block, direction) of the last fetch
+        # How `fetch_owned` served each call: the staged tensor itself, a device copy of it, or a new copy from
+        # host memory on the compute stream (no prefetch: what the window exists to avoid).
+        self.paths: Counter[str] = Counter()
 
     def fetch(self, block: int, index: int) -> tuple[torch.Tensor, ...]:
         """Layer `index` of `block`: its local shards on the compute device."""
+        self._move(block)
+        if any(given[0] == index for given in self.staged[block].given):
+            # A compiled graph owns this layer's staged tensors (`fetch_owned`) and may have written over them.
+            self._restage(block)
+        return self.staged[block].use(index)
+
+    def _move(self, block: int) -> int:
+        """Make `block` the one running, in this pass's direction (returned), if it is not already."""
         step = -1 if torch._C._current_graph_task_id() != -1 else 1
         if self._position != (block, step):
             self._advance(block, step)
-        return self.staged[block].use(index)
+        return step
+
+    def prefetch(self, block: int) -> None:
+        """Start copying `block`'s storage if no clean copy of it is staged: the first streamed block, from the
+        last resident block's forward (compiled resident blocks never ask the window for anything)."""
+        if block not in self.staged or self.staged[block].given:
+            self._restage(block)
 
     def _advance(self, block: int, step: int) -> None:
         self._position = (block, step)
+        upcoming = block + step
         # Dropped before the prefetch is allocated, so the prefetch can reuse their memory once the
         # compute stream is done with them.
-        for other in [b for b in self.staged if b != block]:
+        for other in [b for b in self.staged if b not in (block, upcoming)]:
             del self.staged[other]
         # A copy whose tensors a compiled graph was given may have been written over since (`fetch_owned`).
-        if block not in self.staged or self.staged[block].given:
-            self.staged[block] = self._stage(block)
+        self.prefetch(block)
+        if not self._last_of_pass(block, step):
+            self.prefetch(upcoming)
+
+    def _in_range(self, block: int) -> bool:
+        return 0 <= block < len(self.blocks)
+
+    def _restage(self, block: int) -> None:
+        # The old copy goes first, so that at most two blocks' copies are held while the new one is allocated.
+        self.staged.pop(block, None)
+        self.staged[block] = self._stage(block)
+
+    def _last_of_pass(self, block: int, step: int) -> bool:
+        """Whether no streamed block follows `block` in this pass: the next pass (the turn from forward to
+        backward, or the next micro-batch's forward) starts from this block's staged copy."""
         upcoming = block + step
-        if 0 <= upcoming < len(self.blocks):
-            self.staged[upcoming] = self._stage(upcoming)
+        return not self._in_range(upcoming) or self.blocks[upcoming].resident
 
     def fetch_owned(self, block: int, index: int, which: int, backward: bool) -> torch.Tensor:
         """Storage tensor `which` of layer `index` of `block` on the compute device, for a compiled graph, which
@@ -313,13 +346,18 @@ class StorageWindow:
         passed. So a staged tensor is handed out at most once, and the staged copy is never handed out where
         the same pass will ask for it again: in the recomputation of a checkpointed block, which runs in
         backward before the block's backward graph (`backward`: this call is from a backward graph) asks for
-        the same tensors; the recomputation gets a copy of it."""
-        views = self.fetch(block, index)
+        the same tensors; the recomputation gets a copy of it. Nor at the last streamed block of a pass, whose
+        staged copy the next pass starts from (`_last_of_pass`). `paths` counts which way each call went."""
+        step = self._move(block)
         staged = self.staged[block]
+        views = staged.use(index)
         if (index, which) in staged.given:  # only where a pass asks twice for one tensor: copied again
+            self.paths["host"] += 1
             return self.blocks[block].host_views[index][which].to(self.device, non_blocking=True, copy=True)
-        if self._position[1] == -1 and not backward:
+        if (step == -1 and not backward) or self._last_of_pass(block, step):
+            self.paths["clone"] += 1
             return views[which].clone()
+        self.paths["staged"] += 1
         staged.given.add((index, which))
         # On the CPU the staged tensor is the host shard itself, the operator's input, which it may not return.
         return views[which] if staged.copied is not None else views[which].clone()
@@ -484,4 +522,20 @@ def offload_quantized_storage(model: nn.Module, blocks: list[nn.Module], device:
                 del layer._buffers[name]
                 setattr(layer, name, host)  # a plain attribute now: this rank's shard, in host memory
             layer.offloaded = OffloadedStorage(window, block, index, *spec)
+    _prefetch_after_resident(window, blocks, resident)
     return window
+
+
+def _prefetch_after_resident(window: StorageWindow, blocks: list[nn.Module], resident: int) -> None:
+    """Have the last resident block's forward start the copy of the first streamed block, which would otherwise
+    be copied on demand: compiled resident blocks read their storage where it is and never reach the window.
+    A module hook, so it runs outside the block's compiled graph."""
+    first_streamed = sum(storage.resident for storage in window.blocks)
+    if not 0 < resident <= len(blocks) or first_streamed >= len(window.blocks):
+        return
+
+    def prefetch(module: nn.Module, args: tuple) -> None:
+        if torch._C._current_graph_task_id() == -1:  # a forward, not a recomputation inside backward
+            window.prefetch(first_streamed)
+
+    blocks[resident - 1].register_forward_pre_hook(prefetch)

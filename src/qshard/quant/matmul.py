@@ -13,13 +13,14 @@ class RefetchingMatmul(torch.autograd.Function):
     is the layer's business (HQQ; NF4 kept in host memory by parallel.cpu_offload)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, layer: nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: the layer's dense weight in x's dtype where the caller has it already (not kept either)."""
         ctx.layer = layer
-        return F.linear(x, layer.dequantized_weight(x.dtype))
+        return F.linear(x, layer.dequantized_weight(x.dtype) if weight is None else weight)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_out @ ctx.layer.dequantized_weight(grad_out.dtype, after=grad_out)
-        return grad_x, None
+        return grad_x, None, None
