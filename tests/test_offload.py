@@ -208,7 +208,7 @@ def test_storage_to_device_operator_returns_a_copy_of_its_shard():
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from qshard.parallel import offload
+    from qshard.parallel import storage_offload as offload
 
     cpu = torch.device("cpu")
     window = offload.StorageWindow(cpu)
@@ -243,7 +243,7 @@ def test_window_restages_a_layer_a_graph_owns_for_an_eager_fetch_dropping_the_ol
     what a later eager `fetch` of that layer in the same pass gets: the block is staged again, its old copy dropped
     before the new one is made (so no more than two blocks' copies are held). Other layers, and the last block of
     a pass (whose graphs get copies, not the staged tensors), are not staged again."""
-    from qshard.parallel import offload
+    from qshard.parallel import storage_offload as offload
 
     window = offload.StorageWindow(torch.device("cpu"))
     layout = [[(0, torch.uint8, torch.Size([4, 8])), (128, torch.int32, torch.Size([4, 2]))]] * 2

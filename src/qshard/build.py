@@ -152,7 +152,7 @@ def skeleton(cfg: Config, model_dir: str | Path | None, world_size: int, device:
 
 
 def _check_resident_blocks(cfg: Config, blocks: list[nn.Module]) -> None:
-    """parallel.resident_blocks counts the model's blocks (parallel/offload.py, storage_groups): at most all."""
+    """parallel.resident_blocks counts the model's blocks (parallel/storage_offload.py, storage_groups): at most all."""
     if cfg.parallel.resident_blocks > len(blocks):
         raise QShardError(f"parallel.resident_blocks: {cfg.parallel.resident_blocks} is more than the model's "
                           f"{len(blocks)} blocks ({type(blocks[0]).__name__})")

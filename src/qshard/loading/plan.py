@@ -172,7 +172,7 @@ def _growing(resize: VocabResize, store: Callable[[torch.Tensor], None]) -> Call
 
 def _quantized_rows(module: QuantizedLinear, weight: torch.Tensor) -> torch.Tensor:
     """The weight rows whose codes this rank's shard keeps. Storage offloaded to host memory
-    (parallel/offload.py) is a plain tensor per shard, so its sharding is asked of its `offloaded` record; the
+    (parallel/storage_offload.py) is a plain tensor per shard, so its sharding is asked of its `offloaded` record; the
     codes are then written below straight into that host tensor (a copy from the device, where they were
     quantized), so the quantized model never sits on the device whole."""
     if module.offloaded is not None:

@@ -25,7 +25,8 @@ from qshard.host_embedding import host_modules
 from qshard.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from qshard.parallel.compile import compile_blocks
 from qshard.parallel.mesh import local_piece, shard_placements
-from qshard.parallel.offload import offload_policy, offload_quantized_storage
+from qshard.parallel.offload import offload_policy
+from qshard.parallel.storage_offload import offload_quantized_storage
 from qshard.parallel.tiling import tile_mlps
 from qshard.precision import Precision, precision
 from qshard.quant import QuantizedLinear

@@ -200,7 +200,7 @@ def storage_offloaded(mlp: nn.Module) -> bool:
     """Whether some quantized layer of `mlp` keeps its storage in host memory (parallel.cpu_offload, outside the
     resident blocks). A compiled graph would copy that storage to the device in every call, once per tile; run
     eagerly, the tiles fetch it through the offload window, which copies a block's storage once per direction
-    (parallel/offload.py, StorageWindow)."""
+    (parallel/storage_offload.py, StorageWindow)."""
     return any(isinstance(m, QuantizedLinear) and m.offloaded is not None and not m.offloaded.resident
                for m in mlp.modules())
 

@@ -365,7 +365,8 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
     sizes = state_sizes(plans)
     pinned = sum(_pinned(p.stored_bytes) for p in plans if p.on_host and p.holder == "fsdp")
     if cfg.parallel.quant_sharding == "dtensor" and cfg.parallel.cpu_offload:
-        pinned += sum(storage_block_bytes(plans, model))  # page-locked at their exact size (parallel/offload.py)
+        # Page-locked at their exact size (parallel/storage_offload.py).
+        pinned += sum(storage_block_bytes(plans, model))
     trained = [p for p in plans if p.trainable and p.on_host]
     offloaded_acts = 0.0
     if cfg.parallel.activation_offload:

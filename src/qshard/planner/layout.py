@@ -1,5 +1,5 @@
 """Where every tensor of the model lives on one rank, predicted from the meta-device skeleton by the rules that
-shard the real model (parallel/fsdp.py, parallel/mesh.py, parallel/offload.py): each parameter's shard, its
+shard the real model (parallel/fsdp.py, parallel/mesh.py, parallel/storage_offload.py): each parameter's shard, its
 gradient and its AdamW state, in bytes, on the GPU or the host. Nothing is allocated and no process group is
 needed, so any world size can be planned from one process.
 
@@ -20,7 +20,7 @@ from qshard.config import Config
 from qshard.host_embedding import host_modules
 from qshard.parallel.fsdp import in_place_blocks, kept_embedding_and_head, resident_embedding_and_head
 from qshard.parallel.mesh import replicate_degree
-from qshard.parallel.offload import _ALIGN, storage_groups
+from qshard.parallel.storage_offload import _ALIGN, storage_groups
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
 
@@ -101,7 +101,7 @@ def tensor_layout(model: Skeleton, cfg: Config, world_size: int, rank: int = 0) 
     resident = {id(p) for m in resident_embedding_and_head(model.model, cfg.parallel) for p in m.parameters()}
     host = {id(p) for m in host_modules(model.model) for p in m.parameters()}  # model.embedding_on_host: whole
     in_place |= host
-    groups = storage_groups(model.model, model.blocks, cfg.parallel.resident_blocks)  # as parallel/offload.py
+    groups = storage_groups(model.model, model.blocks, cfg.parallel.resident_blocks)  # as parallel/storage_offload.py
     resident |= {id(getattr(m, name)) for layers, kept in groups if kept for m in layers for name in m.STORAGE}
     storage = _storage_ids(model.model) if cfg.parallel.quant_sharding == "dtensor" else set()
     parts = _parts(model)
@@ -143,7 +143,7 @@ def _parts(model: Skeleton) -> dict[int, str]:
 
 def storage_block_bytes(plans: list[TensorPlan], model: Skeleton) -> list[int]:
     """Under cpu_offload with quant_sharding dtensor: each block's flat host buffer of quantized shards, every
-    shard aligned as parallel/offload.py lays them out."""
+    shard aligned as parallel/storage_offload.py lays them out."""
     local = {p.name: p for p in plans}
     names = {id(m): n for n, m in model.model.named_modules()}
     sizes = []

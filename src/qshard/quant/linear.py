@@ -59,7 +59,7 @@ class QuantizedLinear(nn.Module):
     BITS: tuple[int, ...] = ()
     # Whether the method may hold fused MoE experts (quant/experts.py: each expert's rows in turn).
     EXPERTS = False
-    # Set at build time (parallel/offload.py) when the storage is kept in host memory.
+    # Set at build time (parallel/storage_offload.py) when the storage is kept in host memory.
     offloaded = None
 
     def __init__(
