@@ -37,7 +37,7 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
 
 def full_storage(layer: QuantizedLinear, after: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """A quantized layer's whole storage (`layer.STORAGE`, in that order) on the compute device. Where
-    `parallel.cpu_offload` put it in host memory, `layer.offloaded` (parallel/offload.py, attached at build
+    `parallel.cpu_offload` put it in host memory, `layer.offloaded` (parallel/storage_offload.py, attached at build
     time) brings this rank's shards over and gathers them (`after`: in a backward pass, the gradient the weight
     multiplies, which a compiled backward fetches after); otherwise the layer's own tensors are gathered."""
     if layer.offloaded is not None:

@@ -368,13 +368,14 @@ class Trainer:
         return self._rows_to_device(self._prepared(batch))
 
     def _prepared(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A collated batch on the device, with what the step would otherwise ask the device for decided here
-        on the host (every such question waits for the GPU to finish its queue): the flat positions the loss
-        is computed at (from the labels as they are now: change them before, not after; a batch that names its
-        targets, `loss_targets`, came with its positions), and no attention mask where nothing is padded (the
-        causal mask alone is the same, and transformers would check the mask's values on the device). Its
-        tokens' host embedding rows (model.embedding_on_host) are looked up here and stay in pinned host memory
-        until `_rows_to_device`: a step's prepared micro-batches would otherwise hold all of theirs on the GPU."""
+        """A collated batch on the device (but for its host embedding rows), with what the step would otherwise ask
+        the device for decided here on the host (every such question waits for the GPU to finish its queue): the
+        flat positions the loss is computed at (from the labels as they are now: change them before, not after; a
+        batch that names its targets, `loss_targets`, came with its positions), and no attention mask where
+        nothing is padded (the causal mask alone is the same, and transformers would check the mask's values on
+        the device). Its tokens' host embedding rows (model.embedding_on_host) are looked up here and stay in
+        pinned host memory until `_rows_to_device`: a step's prepared micro-batches would otherwise hold all of
+        theirs on the GPU."""
         batch = dict(batch)
         if "loss_targets" not in batch:
             batch["loss_positions"] = loss_positions(batch["labels"])
