@@ -426,3 +426,59 @@ def test_offload_pool_stays_near_one_step_as_lengths_grow():
             pool.give(buffer)
         assert pool.nbytes <= 2 * sum(b.size for b in taken), (step, pool.nbytes)
     assert pool.in_use == 0
+
+
+def test_offload_copies_a_tensor_saved_twice_once(dist_env, tiny_models):
+    """One tensor that several ops save (the final norm's scale, the log-softmax output) is copied to the host
+    once, and comes back to each of them; backward gives the gradients it gives without offload."""
+    from qshard.parallel import offload
+
+    model = _build(tiny_models("llama"), dist_env, TILE, ("train.train_type", "qlora"))
+    ids = torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(0))
+    expected = _loss_and_grads(model, ids)
+    model.zero_grad(set_to_none=True)
+
+    calls = []
+
+    class Recording(offload.OffloadActivations):
+        def _pack(self, tensor):
+            calls.append((id(tensor), packed := super()._pack(tensor)))
+            return packed
+
+    pool = offload.HostPool(pin=False)
+    with Recording(pool, None, "cpu", ids.numel()):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    copies = {id(p): p for _, p in calls if isinstance(p, offload._Offloaded)}
+    by_tensor = {}
+    for tensor, copy in calls:
+        by_tensor.setdefault(tensor, set()).add(id(copy))
+    assert len(calls) > len(by_tensor)  # some tensor was saved more than once ...
+    assert all(len(packs) == 1 for packs in by_tensor.values())  # ... and each got one copy
+    assert pool.in_use == sum(c.host.numel() * c.host.element_size() for c in copies.values())
+    del copy
+    calls.clear(), copies.clear()  # autograd alone holds the copies now
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert loss.item() == expected[0] and all(torch.equal(grads[n], g) for n, g in expected[1].items())
+    assert pool.in_use == 0
+
+
+def test_offload_copies_again_when_the_memory_went_to_another_tensor():
+    """A saved tensor that has died leaves its memory to the next tensor (the caching allocator hands it out
+    again): that one is copied anew, not taken for the first. Two tensors over one numpy buffer stand in for it."""
+    import numpy as np
+
+    from qshard.parallel import offload
+
+    x = torch.ones(64, requires_grad=True)
+    memory = np.full(64, 2.0, dtype=np.float32)
+    pool = offload.HostPool(pin=False)
+    with offload.OffloadActivations(pool, None, "cpu", 64):
+        a = torch.from_numpy(memory)
+        first = x * a  # saves a (copied to the host)
+        del a
+        memory[:] = 3.0
+        b = torch.from_numpy(memory)  # the same address, shape and version as a had
+        second = x * b
+    (first.sum() + second.sum()).backward()
+    assert torch.equal(x.grad, torch.full((64,), 5.0))

@@ -132,6 +132,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, pool: HostPool, stream: torch.cuda.Stream | None, device_type: str, tokens: int) -> None:
         self.pool, self.stream, self.device_type, self.tokens = pool, stream, device_type, tokens
+        # The copies made in this forward, by the saved tensor's memory: one tensor that several ops save (a
+        # norm's input and its scale, kept by two of its ops; a table every block keeps) is copied to the
+        # host once.
+        self.copies: dict[tuple, tuple[weakref.ref, _Offloaded]] = {}
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
@@ -142,6 +146,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if tensor.device.type != self.device_type or isinstance(tensor, DTensor) or \
                 isinstance(base, (nn.Parameter, DTensor)) or not tensor.numel():
             return tensor
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+               tensor.dtype, tensor._version)
+        known = self.copies.get(key)
+        # Only while the tensor first copied is alive: its memory may since have gone to another tensor.
+        if known is not None and known[0]() is not None:
+            return known[1]
+        offloaded = self._copy(tensor)
+        self.copies[key] = (weakref.ref(tensor), offloaded)
+        return offloaded
+
+    def _copy(self, tensor: torch.Tensor) -> _Offloaded:
         nbytes = tensor.numel() * tensor.element_size()
         buffer = self.pool.take(nbytes)
         host = buffer.host[:nbytes].view(tensor.dtype).view(tensor.shape)
@@ -173,6 +188,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
+        self.copies.clear()  # autograd alone holds the copies now: each buffer returns once backward is done
         _log_host_bytes(self.pool, self.tokens)
 
 
