@@ -1,16 +1,24 @@
-"""Compiled blocks: one graph per block class, and graphs that torch's caches can keep (parallel/compile.py)."""
+"""Compiled blocks: one graph per block class, graphs that torch's caches can keep, and each NF4 weight dequantized once
+a graph (parallel/compile.py)."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import Counter
 
 import torch
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
+from torch._inductor.decomposition import select_decomp_table
 from torch.distributed.tensor import DTensor
 
 from qshard.build import build_model
 from qshard.config import Config
+from qshard.parallel import fsdp
+from qshard.parallel.compile import compile_blocks
+from qshard.quant import NF4Linear
 
 
 def _tiny_qlora(dist_env, model_dir, compiled: bool, backend: str = "aot_eager", **parallel):
@@ -88,6 +96,41 @@ def test_every_block_runs_one_graph_that_the_caches_can_keep_and_trains_like_eag
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-6, atol=1e-6)
     for name in grads[False]:
         torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _nf4_lookups(graph: torch.fx.Graph) -> int:
+    """How many NF4 dequantizations `graph` computes: its lookups in the 16-level table."""
+    return sum(1 for n in graph.nodes if n.target is torch.ops.aten.index.Tensor
+               and tuple(n.args[0].meta["val"].shape) == (16,))
+
+
+def test_a_checkpointed_block_dequantizes_each_weight_once_in_backward(dist_env, tiny_models, monkeypatch):
+    """In the backward graph of a block whose checkpoint is traced, the recomputed forward and the input gradient
+    of each NF4 linear use the same dequantized weight: the graph dequantizes each weight once, as forward does
+    (decomposed and partitioned as inductor does it, its code not generated)."""
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm.graph
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                           decompositions=select_decomp_table, partition_fn=partition)
+    monkeypatch.setattr(fsdp, "compile_blocks", lambda blocks, _, *args: compile_blocks(blocks, backend, *args))
+    model = _tiny_qlora(dist_env, tiny_models("llama", num_hidden_layers=1), True)
+    linears = sum(isinstance(m, NF4Linear) for m in model.modules())
+    torch._dynamo.reset()
+    try:
+        batch = {"input_ids": torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))}
+        model(**batch, use_cache=False).logits.float().square().mean().backward()
+    finally:
+        torch._dynamo.reset()
+    assert linears == 7 and graphs.keys() == {"forward", "backward"}
+    assert _nf4_lookups(graphs["forward"]) == linears
+    assert _nf4_lookups(graphs["backward"]) == linears
 
 
 def _watch_fetches(model) -> tuple[list, list, object]:

@@ -26,7 +26,6 @@ from qshard.quant.matmul import RefetchingMatmul
 
 # The 16 NF4 levels (bitsandbytes' table, as fp32 values).
 _NF4_VALUES = bnbf.get_4bit_type("nf4", device="cpu")
-_NF4_LEVELS = tuple(_NF4_VALUES.tolist())  # exact: each fp32 value is a Python float
 
 
 def quantize_nf4(weight: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +50,22 @@ def dequantize_nf4(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch
     )
 
 
+# One table per device, the same tensor in every call, so that the two dequantizations of a weight in a
+# checkpointed block's backward graph (the recomputed forward's and the input gradient's) are one expression,
+# which the compiler computes once; a table built in each call was a graph constant of its own, and never merged.
+# Copied to the device once: a host table moved there in every call was a blocking copy each time.
+_NF4_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+@torch.compiler.assume_constant_result  # compiled graphs take the table as it is, one input for every call
+def _nf4_table(device: torch.device) -> torch.Tensor:
+    """bitsandbytes' 16 NF4 levels (fp32) on `device`, made there once."""
+    table = _NF4_TABLES.get(device)
+    if table is None:
+        table = _NF4_TABLES[device] = _NF4_VALUES.to(device)
+    return table
+
+
 def dequantize_nf4_torch(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The same function in plain torch ops (bit-identical: a table lookup, then one fp32 multiply per weight),
     for compiled blocks: the compiler fuses it into a single kernel, where bitsandbytes' op is opaque."""
@@ -58,10 +73,7 @@ def dequantize_nf4_torch(packed: torch.Tensor, absmax_bits: torch.Tensor, dtype:
     out_features, half_in = packed.shape
     n_blocks = absmax_bits.shape[1]
     codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(out_features, n_blocks, -1)
-    # The table is built inside the graph from constants, so the compiler keeps it on the device. Moving a
-    # host tensor there instead (`_NF4_VALUES.to(device)`) was a blocking copy in every call: 64 host-device
-    # synchronizations per 8B step, each stopping the host from queueing work ahead of the GPU.
-    table = torch.tensor(_NF4_LEVELS, dtype=torch.float32, device=packed.device)
+    table = _nf4_table(packed.device)
     values = table[codes.long()] * absmax_bits.view(torch.float32).unsqueeze(-1)
     return values.view(out_features, half_in * 2).to(dtype)
 
