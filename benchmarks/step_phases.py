@@ -64,7 +64,7 @@ def run_phases(trainer: Trainer, step: int, measure) -> None:
     loss = measure("forward", lambda: trainer.loss_sum(trainer.model, batch))
     measure("backward", lambda: (loss / batch["input_ids"].numel()).backward())
     measure("clip", lambda: (trainer.scaler.unscale_(trainer.optimizer),
-                             clip_grad_norm(trainer.params, trainer.cfg.optim.max_grad_norm)))
+                             clip_grad_norm(trainer.params, trainer.cfg.optim.max_grad_norm, trainer.grad_norm)))
     measure("optimizer", lambda: (trainer.scaler.step(trainer.optimizer), trainer.scaler.update()))
     measure("zero_grad", lambda: trainer.optimizer.zero_grad(set_to_none=True))
 

@@ -103,6 +103,44 @@ def test_host_adamw_is_fused_and_steps_as_foreach_does():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_host_gradient_norm_splits_the_work_and_finds_the_same_norm():
+    """Host gradients (cpu_offload) are normed by several threads at once: every tensor in exactly one share,
+    the shares about equal, the norm torch's within float rounding and the same bits every call; a non-finite
+    gradient still shows in it; clipping with it scales as clipping with torch's norm does."""
+    from qshard.train.optim import HostNorm, _norm, clip_grad_norm, grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [(64, 512), (512, 64), (64, 96), (96, 64), (7,), (3, 3), (64, 512)]
+    grads = [torch.randn(s, generator=g) * (i + 1) for i, s in enumerate(sizes)] + [torch.randn(40).bfloat16()]
+    norm = HostNorm(3)
+    shares = norm._shares(grads)
+    assert len(shares) == 3 and sorted(id(t) for s in shares for t in s) == sorted(id(t) for t in grads)
+    loads = [sum(t.numel() for t in s) for s in shares]
+    assert max(loads) - min(loads) <= max(t.numel() for t in grads)
+    found = norm(grads)
+    assert torch.equal(found, norm(grads))
+    torch.testing.assert_close(found, _norm([t.float() for t in grads]), rtol=1e-6, atol=0)
+    assert not torch.isfinite(norm(grads[:-1] + [torch.tensor([float("inf")])]))
+
+    def clipped(how) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(torch.zeros_like(t, dtype=torch.float32)) for t in grads[:-1]]
+        for p, t in zip(params, grads):
+            p.grad = t.clone()
+        clip_grad_norm(params, 1.0, how)
+        return [p.grad for p in params]
+
+    for got, want in zip(clipped(norm), clipped(None)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    threads = torch.get_num_threads()
+    try:  # chosen by where the gradients live, and by whether there is more than one thread to split them over
+        torch.set_num_threads(2)
+        assert isinstance(grad_norm(torch.device("cpu")), HostNorm) and grad_norm(torch.device("cuda")) is _norm
+        torch.set_num_threads(1)
+        assert grad_norm(torch.device("cpu")) is _norm
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _watch_staged(window) -> list[int]:
     """How many blocks `window` holds staged after each fetch, recorded from here on (its layers call
     `window.fetch`, and only a fetch changes what is staged)."""
@@ -136,10 +174,26 @@ def _compare(model_dir: str, env, method: str) -> dict:
     found = _train(model, STEPS)
     _check_offloaded(model)
     torch.testing.assert_close(torch.tensor(found), torch.tensor(expected), rtol=1e-6, atol=1e-6)
+    _check_host_norm(model)
     assert len(window.blocks) == model.config.num_hidden_layers
     assert staged and max(staged) <= 2  # the block running and the one prefetched, never more
     first = _quantized(model)[0]
     return {"losses": found, "shard_rows": first.packed.shape[0], "rows": first.out_features}
+
+
+def _check_host_norm(model) -> None:
+    """The threaded host norm of the offloaded gradients (DTensors holding this rank's host shards) is the
+    norm over every rank's shards, as torch's is."""
+    from torch.distributed.tensor import DTensor
+
+    from qshard.train.optim import HostNorm, _norm
+
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None and isinstance(p.grad, DTensor)]
+    assert grads and all(g.to_local().device.type == "cpu" for g in grads)
+    torch.testing.assert_close(HostNorm(2)(grads).cpu(), _norm(grads).cpu(), rtol=1e-6, atol=0)
+    model.zero_grad(set_to_none=True)
 
 
 def test_offloaded_storage_world_size_1(tiny_models, dist_env):

@@ -25,7 +25,7 @@ from qshard.train.best import BestLoss
 from qshard.train.loss import TokenObjective, build_loss, loss_positions
 from qshard.train.metrics import MetricsLog, Progress, device_memory_gib, mfu_per_token_rate, peak_memory_gib
 from qshard.train.nan_policy import NonFiniteError, build_nan_policy
-from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from qshard.train.optim import build_optimizer, build_scheduler, clip_grad_norm, grad_norm
 from qshard.train.preference import PreferenceLoss, finish_metrics
 from qshard.train.profiler import profiled
 from qshard.train.samples import Samples
@@ -115,6 +115,7 @@ class Trainer:
         policy = precision(cfg)
         self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device), policy.loss_scaling,
                                          cfg.lora.plus_lr_ratio)
+        self.grad_norm = grad_norm(optimizer_device(cfg, env.device))
         # Loss scaling for fp16_mixed; in every other mode a pass-through with the same interface.
         self.scaler = policy.grad_scaler(env.device)
         self.nan_policy = build_nan_policy(t.nan_policy, policy.loss_scaling, env.is_main)
@@ -169,7 +170,7 @@ class Trainer:
 
         # Unscaled first, so that the norm and the clipping see the true gradients.
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.params, self.cfg.optim.max_grad_norm)
+        grad_norm = clip_grad_norm(self.params, self.cfg.optim.max_grad_norm, self.grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         skipped = self.nan_policy.skip_update(loss_sum, grad_norm)  # False without a wait unless skip_step
         if not skipped:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.lr_scheduler import LambdaLR
 
 from qshard.adapters import DoRALinear, LoRALinear
@@ -101,17 +103,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: Opt
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, norm: GradNorm | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients across every shard, and clip to `max_norm` if it is > 0.
 
     With FSDP2 each gradient is a DTensor holding one shard; the norm of the local pieces alone
     would differ per rank, so the total is reduced over the mesh (`full_tensor`) before clipping. Plain
-    gradients (adapters of blocks used in place) beside DTensor ones are normed and clipped apart, then combined."""
+    gradients (adapters of blocks used in place) beside DTensor ones are normed and clipped apart, then combined.
+    `norm`: how the norm of a list of gradients is computed (`grad_norm`: the one that suits where they live)."""
+    norm = norm or _norm
     with_grad = [p for p in params if p.grad is not None]
     sharded = [p for p in with_grad if isinstance(p.grad, DTensor)]
     plain = [p for p in with_grad if not isinstance(p.grad, DTensor)]
     kinds = [kind for kind in (sharded, plain) if kind] or [[]]
-    norms = [_norm([p.grad for p in kind]) for kind in kinds]
+    norms = [norm([p.grad for p in kind]) for kind in kinds]
     total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
         for kind in kinds:
@@ -119,6 +123,53 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
+GradNorm = Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def grad_norm(device: torch.device) -> GradNorm:
+    """The gradient norm for gradients on `device` (the optimizer's): one foreach call on a GPU; on the host
+    (parallel.cpu_offload, CPU runs) the gradients split among the host's threads (`HostNorm`)."""
+    threads = torch.get_num_threads()
+    return HostNorm(threads) if device.type == "cpu" and threads > 1 else _norm
+
+
 def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+class HostNorm:
+    """The L2 norm of host gradients, computed by `workers` threads at once: torch's norm of a host tensor
+    runs on one core, which leaves the gradients of a large model's adapters (cpu_offload) waiting on one
+    core's memory bandwidth while the GPU idles. Each thread sums the squares of a fixed share of the
+    tensors (balanced by size); the shares are added in order, so the result does not depend on timing."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="qshard-grad-norm")
+
+    def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return _norm(grads)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        squares = torch.stack(list(self.pool.map(_sum_of_squares, self._shares(local))))
+        total = squares.sum()
+        first = grads[0]
+        if isinstance(first, DTensor) and first.device_mesh.size() > 1:  # summed over the dimensions that shard
+            placements = [Partial("sum") if isinstance(p, Shard) else Replicate() for p in first.placements]
+            total = DTensor.from_local(total, first.device_mesh, placements).full_tensor()
+        return total.sqrt()
+
+    def _shares(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """`tensors` split into `workers` lists of about equal size, largest first (the same split every step)."""
+        shares: list[list[torch.Tensor]] = [[] for _ in range(self.workers)]
+        sizes = [0] * self.workers
+        for t in sorted(tensors, key=lambda t: -t.numel()):
+            i = sizes.index(min(sizes))
+            shares[i].append(t)
+            sizes[i] += t.numel()
+        return [share for share in shares if share]
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([n.float() for n in torch._foreach_norm(tensors, 2.0)]).square().sum()
