@@ -135,7 +135,7 @@ def test_an_update_that_fails_raises_at_the_next_wait(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    update = host_step.OverlappedUpdate(optimizer, list(model))
+    update = host_step.OverlappedUpdate(optimizer, list(model), torch.device("cpu"))
     for _ in range(2):
         model(torch.randn(4, 8)).square().sum().backward()
         update.step()

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from qshard.config import Config
+from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import block_units
 from qshard.precision import precision
 
@@ -69,9 +70,10 @@ class _InFlight:
 class OverlappedUpdate:
     """The update of each block's parameters in a host thread, in forward order, waited for block by block by
     the next forward (a pre-hook on each block's unit); the parameters of no block are updated before `step`
-    returns. The first step, which creates the optimizer's state, runs on the calling thread."""
+    returns. The first step, which creates the optimizer's state, runs on the calling thread. `device`: the
+    rank's compute device."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, blocks: list[nn.Module]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, blocks: list[nn.Module], device: torch.device) -> None:
         self.optimizer = optimizer
         shares = [(block, _share(optimizer, [p for p in block.parameters() if p.requires_grad])) for block in blocks]
         shares = [(block, share) for block, share in shares if share is not None]
@@ -79,7 +81,12 @@ class OverlappedUpdate:
         in_blocks = {id(p) for share in self.blocks for p in share.params}
         rest = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in in_blocks]
         self.rest = _share(optimizer, rest)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="qshard-host-optimizer")
+        # The thread's current GPU is the rank's: a new thread's is the first, where anything torch might place
+        # there would open a context on another rank's GPU.
+        on_gpu = device.type == "cuda"
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="qshard-host-optimizer",
+                                       initializer=torch.cuda.set_device if on_gpu else None,
+                                       initargs=(device,) if on_gpu else ())
         self.in_flight: _InFlight | None = None
         for i, (block, _) in enumerate(shares):
             # Prepended: before FSDP2's own pre-forward, which copies the unit's host shards to the GPU.
@@ -167,15 +174,15 @@ def _share(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> _Sha
 
 
 def build_update(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
-                 is_main: bool) -> BlockingUpdate | OverlappedUpdate:
+                 env: DistEnv) -> BlockingUpdate | OverlappedUpdate:
     """The update parallel.overlap_host_optimizer asks for (config.py allows it with cpu_offload only), where
     the run can take it: fp16's loss scaler steps the optimizer itself (skipping steps that overflowed), so fp16
     runs update on the calling thread."""
     if not cfg.parallel.overlap_host_optimizer:
         return BlockingUpdate(optimizer, scaler)
     if precision(cfg).loss_scaling:
-        if is_main:
+        if env.is_main:
             log.warning("parallel.overlap_host_optimizer: off under train.precision fp16_mixed (the loss scaler steps "
                         "the optimizer itself)")
         return BlockingUpdate(optimizer, scaler)
-    return OverlappedUpdate(optimizer, block_units(model))
+    return OverlappedUpdate(optimizer, block_units(model), env.device)
