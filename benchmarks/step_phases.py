@@ -59,7 +59,10 @@ def device_batch(trainer: Trainer, step: int) -> dict[str, torch.Tensor]:
 
 
 def run_phases(trainer: Trainer, step: int, measure) -> None:
-    """The training step of train/loop.py, phase by phase, each run as `measure(name, fn)`."""
+    """The training step of train/loop.py, phase by phase, each run as `measure(name, fn)`. The "optimizer" phase
+    times the blocking step (`optimizer.step()` through the loss scaler), also under
+    parallel.overlap_host_optimizer, whose overlapped update has no phase of its own (it runs under the next
+    forward): its effect shows in the trainer's step time (benchmarks/offload_70b.py)."""
     batch = device_batch(trainer, step)
     loss = measure("forward", lambda: trainer.loss_sum(trainer.model, batch))
     measure("backward", lambda: (loss / batch["input_ids"].numel()).backward())

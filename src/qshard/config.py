@@ -262,6 +262,9 @@ class ParallelConfig:
     replicate_degree: int = 0
     # Keep params, grads and optimizer state on the CPU and step the optimizer there (FSDP2 CPUOffloadPolicy).
     cpu_offload: bool = False
+    # cpu_offload: the host AdamW of each block runs in a host thread under the next forward, which waits for a
+    # block's update just before copying its weights to the GPU (train/host_step.py); the same numbers.
+    overlap_host_optimizer: bool = False
     # Move the activations saved for backward to (pinned) CPU memory during forward, back in backward.
     activation_offload: bool = False
     # Who shards the NF4/HQQ codes and scales: FSDP2 itself (grouped, prefetched all-gathers; as integers, or
@@ -593,6 +596,9 @@ class Config:
                 raise QShardError(f"parallel.ac_save_projections: has no effect without {unmet[0]}")
         self._validate_mlp_tiles()
         self._validate_resident_blocks()
+        if p.overlap_host_optimizer and not p.cpu_offload:
+            raise QShardError("parallel.overlap_host_optimizer: only has an effect with parallel.cpu_offload true "
+                              "(the optimizer steps on the host)")
         _non_negative("parallel.replicate_degree", p.replicate_degree)
         if p.replicate_degree and p.sharding != "hybrid":
             raise QShardError(

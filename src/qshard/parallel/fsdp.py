@@ -444,3 +444,10 @@ def reshard_all(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def block_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks that have FSDP2 units of their own, in forward order: every unit but the root's, the embedding's
+    and the head's (`parallelize` makes no others)."""
+    others = {id(model), id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    return [m for m in model.modules() if isinstance(m, FSDPModule) and id(m) not in others]

@@ -22,6 +22,7 @@ from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
 from qshard.precision import precision
 from qshard.train.best import BestLoss
+from qshard.train.host_step import build_update
 from qshard.train.loss import TokenObjective, build_loss, loss_positions
 from qshard.train.metrics import MetricsLog, Progress, device_memory_gib, mfu_per_token_rate, peak_memory_gib
 from qshard.train.nan_policy import NonFiniteError, build_nan_policy
@@ -121,6 +122,9 @@ class Trainer:
         self.nan_policy = build_nan_policy(t.nan_policy, policy.loss_scaling, env.is_main)
         self.activation_offload = activation_offload(cfg, env.device)  # a context factory (or a no-op one)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
+        # The optimizer's step and zero_grad: on this thread, or under parallel.overlap_host_optimizer (cpu_offload)
+        # block by block in a host thread that the next forward waits for (train/host_step.py).
+        self.update = build_update(cfg, model, self.optimizer, self.scaler, env)
         self.progress = Progress(self.total_steps, env.is_main, t.log_every, device_memory_gib(env.device))
         self.mfu_rate = mfu_per_token_rate(model, env.device, env.world_size)  # None: no MFU in the records
         self.stop_requested = False  # set on this rank by the preemption signal handler
@@ -150,7 +154,8 @@ class Trainer:
         """Queue one optimizer step over the global batch `step` (0-based) on the device. Nothing of qshard's
         here waits for the device: each wait would stop the host from queueing work ahead of it (`finish`
         waits once). Some modes wait anyway: fp16's loss scaler reads its overflow flag, CPU offload steps
-        the optimizer on the host, `train.nan_policy: skip_step` reads whether the loss and gradient norm are
+        the optimizer on the host (parallel.overlap_host_optimizer: block by block under the next forward, see
+        train/host_step.py), `train.nan_policy: skip_step` reads whether the loss and gradient norm are
         finite before the update, and transformers inspects the attention mask of a padded batch."""
         start = time.perf_counter()
         if not self.model.training:  # a walk over every module: only after evaluation
@@ -164,6 +169,7 @@ class Trainer:
             batch = self._rows_to_device(batch)  # model.embedding_on_host: this micro-batch's rows only
             with self.activation_offload(batch["input_ids"].numel()):
                 loss, sums = self.objective(self.model, batch)
+            self.update.wait()  # the last step's update (the forward's hooks waited for each block's already)
             self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
             metric_sums += sums
@@ -175,10 +181,10 @@ class Trainer:
         skipped = self.nan_policy.skip_update(loss_sum, grad_norm)  # False without a wait unless skip_step
         if not skipped:
             # Skipped (fp16) when any rank's gradients overflowed; update() then lowers the scale for every rank.
-            self.scaler.step(self.optimizer)
+            self.update.step()
         self.scaler.update()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.update.zero_grad()
 
         # One all-reduce for the logged loss and the preemption vote (a signal may reach only some ranks).
         vote = torch.tensor(float(self.stop_requested), dtype=torch.float64)
@@ -257,6 +263,7 @@ class Trainer:
                 if result.preempted or result.stopped_early:
                     break
                 self.fit_step(step, metrics, checkpoints, result)
+            self.update.wait()  # the weights are read next (export, evaluation): the last update must be in them
         except NonFiniteError:
             # Every rank stops at the same step (what is judged was summed over ranks): the checkpoint of an
             # earlier step, still being written in the background, is completed rather than left unfinished.
@@ -282,6 +289,7 @@ class Trainer:
             record.update(result.last.fields())
             self._judge_eval(record["step"], result)
         if self.samples is not None and self.samples.due(record["step"], self.total_steps):
+            self.update.wait()
             metrics.samples(record["step"], self.samples.generate(self.model, self.env.device))
         metrics.write(record)
         self.progress.step(record)
@@ -313,6 +321,7 @@ class Trainer:
                     "grad_scaler": self.scaler.state_dict(),  # {} unless fp16_mixed
                     "eval_loss_start": result.first.loss if result.first else None,
                     "best": self.best.state(), "stopped_early": result.stopped_early}
+            self.update.wait()  # the checkpoint holds this step's update
             # The last save (or one forced by preemption) must be on disk before the process exits.
             checkpoints.save(done, self.model, self.optimizer, meta, blocking=final)
 
@@ -330,6 +339,7 @@ class Trainer:
         Ranks take interleaved examples; every rank runs the same number of forwards (FSDP2 all-gathers are
         collective): a token objective pads with zero-weight repeats, a preference one leaves padding out, and
         a rank left with none at the end runs a real example at weight 0."""
+        self.update.wait()
         self.model.eval()
         n, world, mbs = len(self.eval_examples), self.env.world_size, self.cfg.train.micro_batch_size
         per_rank = math.ceil(n / world)
