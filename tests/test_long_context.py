@@ -482,3 +482,15 @@ def test_offload_copies_again_when_the_memory_went_to_another_tensor():
         second = x * b
     (first.sum() + second.sum()).backward()
     assert torch.equal(x.grad, torch.full((64,), 5.0))
+
+    # The first tensor alive, but given other memory: its old address may go to the next tensor all the same.
+    x.grad = None
+    memory[:] = 2.0
+    with offload.OffloadActivations(pool, None, "cpu", 64):
+        a = torch.from_numpy(memory)
+        first = x * a
+        a.data = torch.zeros(64)  # the same version, other memory
+        memory[:] = 3.0
+        second = x * torch.from_numpy(memory)
+    (first.sum() + second.sum()).backward()
+    assert torch.equal(x.grad, torch.full((64,), 5.0))

@@ -146,11 +146,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if tensor.device.type != self.device_type or isinstance(tensor, DTensor) or \
                 isinstance(base, (nn.Parameter, DTensor)) or not tensor.numel():
             return tensor
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-               tensor.dtype, tensor._version)
+        if type(tensor) is not torch.Tensor:  # a subclass may have no storage of its own to key on
+            return self._copy(tensor)
+        key = _memory_key(tensor)
         known = self.copies.get(key)
-        # Only while the tensor first copied is alive: its memory may since have gone to another tensor.
-        if known is not None and known[0]() is not None:
+        # Only while the tensor first copied still holds that memory, unchanged: once it has died, or been given
+        # other memory (`.data =`, `set_`), the address may belong to another tensor.
+        if known is not None and (first := known[0]()) is not None and _memory_key(first) == key:
             return known[1]
         offloaded = self._copy(tensor)
         self.copies[key] = (weakref.ref(tensor), offloaded)
@@ -190,6 +192,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(*exc)
         self.copies.clear()  # autograd alone holds the copies now: each buffer returns once backward is done
         _log_host_bytes(self.pool, self.tokens)
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple:
+    """What a saved tensor holds: its memory, layout and version (an in-place change makes another key)."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+            tensor.dtype, tensor._version)
 
 
 def _log_host_bytes(pool: HostPool, tokens: int) -> None:
