@@ -104,23 +104,22 @@ def test_host_adamw_is_fused_and_steps_as_foreach_does():
 
 
 def test_host_gradient_norm_splits_the_work_and_finds_the_same_norm():
-    """Host gradients (cpu_offload) are normed by several threads at once: every tensor in exactly one share,
-    the shares about equal, the norm torch's within float rounding and the same bits every call; a non-finite
-    gradient still shows in it; clipping with it scales as clipping with torch's norm does."""
-    from qshard.train.optim import HostNorm, _norm, clip_grad_norm, grad_norm
+    """Host gradients (cpu_offload, CPU runs) are normed by several threads at once: every tensor in exactly one
+    share, the shares about equal, the norm torch's within float rounding and the same bits for any number of
+    threads; a non-finite gradient still shows in it; clipping with it scales as clipping with torch's norm does."""
+    from qshard.train.optim import HOST_NORM_WORKERS, HostNorm, _norm, _shares, clip_grad_norm, grad_norm
 
     g = torch.Generator().manual_seed(0)
-    sizes = [(64, 512), (512, 64), (64, 96), (96, 64), (7,), (3, 3), (64, 512)]
+    sizes = [(64, 512), (512, 64), (64, 96), (96, 64), (7,), (3, 3), (64, 512)] + [(i + 1, 33) for i in range(40)]
     grads = [torch.randn(s, generator=g) * (i + 1) for i, s in enumerate(sizes)] + [torch.randn(40).bfloat16()]
-    norm = HostNorm(3)
-    shares = norm._shares(grads)
+    shares = _shares(grads, 3)
     assert len(shares) == 3 and sorted(id(t) for s in shares for t in s) == sorted(id(t) for t in grads)
     loads = [sum(t.numel() for t in s) for s in shares]
     assert max(loads) - min(loads) <= max(t.numel() for t in grads)
-    found = norm(grads)
-    assert torch.equal(found, norm(grads))
+    found = HostNorm(3)(grads)
+    assert all(torch.equal(found, HostNorm(workers)(grads)) for workers in (1, 2, 5))
     torch.testing.assert_close(found, _norm([t.float() for t in grads]), rtol=1e-6, atol=0)
-    assert not torch.isfinite(norm(grads[:-1] + [torch.tensor([float("inf")])]))
+    assert not torch.isfinite(HostNorm(2)(grads[:-1] + [torch.tensor([float("inf")])]))
 
     def clipped(how) -> list[torch.Tensor]:
         params = [torch.nn.Parameter(torch.zeros_like(t, dtype=torch.float32)) for t in grads[:-1]]
@@ -129,14 +128,14 @@ def test_host_gradient_norm_splits_the_work_and_finds_the_same_norm():
         clip_grad_norm(params, 1.0, how)
         return [p.grad for p in params]
 
-    for got, want in zip(clipped(norm), clipped(None)):
+    for got, want in zip(clipped(HostNorm(3)), clipped(None)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     threads = torch.get_num_threads()
-    try:  # chosen by where the gradients live, and by whether there is more than one thread to split them over
-        torch.set_num_threads(2)
-        assert isinstance(grad_norm(torch.device("cpu")), HostNorm) and grad_norm(torch.device("cuda")) is _norm
+    try:  # chosen by where the gradients live; threads up to a cap
+        torch.set_num_threads(64)
+        assert grad_norm(torch.device("cpu")).workers == HOST_NORM_WORKERS and grad_norm(torch.device("cuda")) is _norm
         torch.set_num_threads(1)
-        assert grad_norm(torch.device("cpu")) is _norm
+        assert grad_norm(torch.device("cpu")).workers == 1
     finally:
         torch.set_num_threads(threads)
 

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.lr_scheduler import LambdaLR
 
 from qshard.adapters import DoRALinear, LoRALinear
@@ -128,9 +129,10 @@ GradNorm = Callable[[list[torch.Tensor]], torch.Tensor]
 
 def grad_norm(device: torch.device) -> GradNorm:
     """The gradient norm for gradients on `device` (the optimizer's): one foreach call on a GPU; on the host
-    (parallel.cpu_offload, CPU runs) the gradients split among the host's threads (`HostNorm`)."""
-    threads = torch.get_num_threads()
-    return HostNorm(threads) if device.type == "cpu" and threads > 1 else _norm
+    (parallel.cpu_offload, CPU runs) the gradients split among up to HOST_NORM_WORKERS of the host's threads."""
+    if device.type != "cpu":
+        return _norm
+    return HostNorm(max(1, min(torch.get_num_threads(), HOST_NORM_WORKERS)))
 
 
 def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -138,37 +140,50 @@ def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return total.full_tensor() if isinstance(total, DTensor) else total
 
 
+# A host norm is bound by memory bandwidth, which a few cores reach; more threads would only contend with the
+# ranks' own work. The shares are fixed in number, so the norm's bits do not depend on the thread count.
+HOST_NORM_WORKERS = 8
+HOST_NORM_SHARES = 32
+
+
 class HostNorm:
     """The L2 norm of host gradients, computed by `workers` threads at once: torch's norm of a host tensor
     runs on one core, which leaves the gradients of a large model's adapters (cpu_offload) waiting on one
-    core's memory bandwidth while the GPU idles. Each thread sums the squares of a fixed share of the
-    tensors (balanced by size); the shares are added in order, so the result does not depend on timing."""
+    core's memory bandwidth while the GPU idles. The tensors go to HOST_NORM_SHARES shares balanced by size;
+    each share's sum of squares is computed by some thread, and the shares are added in order, so the result
+    is the same for any number of threads (and on every rank). Sharded gradients (DTensors over host shards)
+    are reduced over the mesh dimensions that shard them, on the host (gloo)."""
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="qshard-grad-norm")
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="qshard-grad-norm") if workers > 1 else None
 
     def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return _norm(grads)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        squares = torch.stack(list(self.pool.map(_sum_of_squares, self._shares(local))))
-        total = squares.sum()
+        shares = _shares(local, HOST_NORM_SHARES)
+        partial = self.pool.map(_sum_of_squares, shares) if self.pool else map(_sum_of_squares, shares)
+        total = torch.stack(list(partial)).sum()
         first = grads[0]
-        if isinstance(first, DTensor) and first.device_mesh.size() > 1:  # summed over the dimensions that shard
-            placements = [Partial("sum") if isinstance(p, Shard) else Replicate() for p in first.placements]
-            total = DTensor.from_local(total, first.device_mesh, placements).full_tensor()
+        if isinstance(first, DTensor) and first.device_mesh.size() > 1:
+            mesh, placements = first.device_mesh, first.placements
+            assert all(g.device_mesh == mesh and g.placements == placements for g in grads), "one layout"
+            for dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):  # replicas hold the same gradients: summed over shards only
+                    dist.all_reduce(total, group=mesh.get_group(dim))
         return total.sqrt()
 
-    def _shares(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """`tensors` split into `workers` lists of about equal size, largest first (the same split every step)."""
-        shares: list[list[torch.Tensor]] = [[] for _ in range(self.workers)]
-        sizes = [0] * self.workers
-        for t in sorted(tensors, key=lambda t: -t.numel()):
-            i = sizes.index(min(sizes))
-            shares[i].append(t)
-            sizes[i] += t.numel()
-        return [share for share in shares if share]
+
+def _shares(tensors: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:
+    """`tensors` split into at most `n` lists of about equal size, largest first (the same split every step)."""
+    shares: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for t in sorted(tensors, key=lambda t: -t.numel()):
+        i = sizes.index(min(sizes))
+        shares[i].append(t)
+        sizes[i] += t.numel()
+    return [share for share in shares if share]
 
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
