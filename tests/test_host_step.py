@@ -138,7 +138,7 @@ def test_an_update_that_fails_raises_at_the_next_wait(monkeypatch):
     update = host_step.OverlappedUpdate(optimizer, list(model), torch.device("cpu"))
     for _ in range(2):
         model(torch.randn(4, 8)).square().sum().backward()
-        update.step()
+        update.step(None)
         update.zero_grad()
     update.wait()
 
@@ -147,7 +147,7 @@ def test_an_update_that_fails_raises_at_the_next_wait(monkeypatch):
 
     monkeypatch.setattr(host_step, "update_share", failing)
     model(torch.randn(4, 8)).square().sum().backward()
-    update.step()
+    update.step(None)
     with pytest.raises(ValueError, match="the host optimizer failed"):
         update.wait()
     update.wait()  # raised once: nothing in flight now

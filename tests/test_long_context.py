@@ -442,7 +442,7 @@ def test_offload_copies_a_tensor_saved_twice_once(dist_env, tiny_models):
 
     class Recording(offload.OffloadActivations):
         def _pack(self, tensor):
-            calls.append((id(tensor), packed := super()._pack(tensor)))
+            calls.append((tensor, packed := super()._pack(tensor)))  # kept alive: ids stay unique
             return packed
 
     pool = offload.HostPool(pin=False)
@@ -451,11 +451,11 @@ def test_offload_copies_a_tensor_saved_twice_once(dist_env, tiny_models):
     copies = {id(p): p for _, p in calls if isinstance(p, offload._Offloaded)}
     by_tensor = {}
     for tensor, copy in calls:
-        by_tensor.setdefault(tensor, set()).add(id(copy))
+        by_tensor.setdefault(id(tensor), set()).add(id(copy))
     assert len(calls) > len(by_tensor)  # some tensor was saved more than once ...
     assert all(len(packs) == 1 for packs in by_tensor.values())  # ... and each got one copy
     assert pool.in_use == sum(c.host.numel() * c.host.element_size() for c in copies.values())
-    del copy
+    del copy, tensor
     calls.clear(), copies.clear()  # autograd alone holds the copies now
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}

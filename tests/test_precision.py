@@ -204,6 +204,7 @@ def test_fp16_step_with_the_optimizer_cuda_would_get(dist_env, tiny_models):
     overflow flag (a real failure on the H200). The kernel choice for a CUDA device under loss scaling must
     still step; fused AdamW also runs on CPU, so the CUDA choice is exercised here on CPU tensors."""
     from qshard.build import build_model
+    from qshard.train.host_step import build_update
     from qshard.train.loop import Trainer
     from qshard.train.optim import build_optimizer
 
@@ -213,6 +214,7 @@ def test_fp16_step_with_the_optimizer_cuda_would_get(dist_env, tiny_models):
     cuda = torch.device("cuda")
     assert build_optimizer(model, cfg.optim, cuda).defaults["fused"]  # bf16 modes keep the fused kernel
     trainer.optimizer = build_optimizer(model, cfg.optim, cuda, loss_scaling=True)
+    trainer.update = build_update(cfg, model, trainer.optimizer, dist_env)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
     trainer.scaler = precision(cfg).grad_scaler(dist_env.device, init_scale=64.0)
     before = [_local(p).detach().clone() for p in trainer.params]

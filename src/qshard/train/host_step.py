@@ -34,11 +34,12 @@ class BlockingUpdate:
     """The update on the calling thread: the optimizer's step (through fp16's loss scaler, which skips a step
     whose gradients overflowed), then every gradient dropped."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler) -> None:
-        self.optimizer, self.scaler = optimizer, scaler
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
 
-    def step(self) -> None:
-        self.scaler.step(self.optimizer)
+    def step(self, scaler) -> None:
+        """The step through `scaler`, the trainer's (its loss scaler, or fp32/bf16's pass-through)."""
+        scaler.step(self.optimizer)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -92,8 +93,9 @@ class OverlappedUpdate:
             # Prepended: before FSDP2's own pre-forward, which copies the unit's host shards to the GPU.
             block.register_forward_pre_hook(functools.partial(self._before_forward, i), prepend=True)
 
-    def step(self) -> None:
-        """Update the parameters of no block now, and begin the blocks' updates in the background."""
+    def step(self, scaler) -> None:
+        """Update the parameters of no block now, and begin the blocks' updates in the background. `scaler`: the
+        trainer's, a pass-through here (build_update keeps loss-scaled runs on BlockingUpdate)."""
         self.wait()
         if not self.optimizer.state:  # the first step creates the state, in torch's own order
             self.optimizer.step()
@@ -173,16 +175,16 @@ def _share(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> _Sha
     return _Share(share, indices, [p for g in groups for p in g["params"]])
 
 
-def build_update(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
+def build_update(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
                  env: DistEnv) -> BlockingUpdate | OverlappedUpdate:
     """The update parallel.overlap_host_optimizer asks for (config.py allows it with cpu_offload only), where
     the run can take it: fp16's loss scaler steps the optimizer itself (skipping steps that overflowed), so fp16
     runs update on the calling thread."""
     if not cfg.parallel.overlap_host_optimizer:
-        return BlockingUpdate(optimizer, scaler)
+        return BlockingUpdate(optimizer)
     if precision(cfg).loss_scaling:
         if env.is_main:
             log.warning("parallel.overlap_host_optimizer: off under train.precision fp16_mixed (the loss scaler steps "
                         "the optimizer itself)")
-        return BlockingUpdate(optimizer, scaler)
+        return BlockingUpdate(optimizer)
     return OverlappedUpdate(optimizer, block_units(model), env.device)

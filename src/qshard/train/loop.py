@@ -124,7 +124,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
         # The optimizer's step and zero_grad: on this thread, or under parallel.overlap_host_optimizer (cpu_offload)
         # block by block in a host thread that the next forward waits for (train/host_step.py).
-        self.update = build_update(cfg, model, self.optimizer, self.scaler, env)
+        self.update = build_update(cfg, model, self.optimizer, env)
         self.progress = Progress(self.total_steps, env.is_main, t.log_every, device_memory_gib(env.device))
         self.mfu_rate = mfu_per_token_rate(model, env.device, env.world_size)  # None: no MFU in the records
         self.stop_requested = False  # set on this rank by the preemption signal handler
@@ -181,7 +181,7 @@ class Trainer:
         skipped = self.nan_policy.skip_update(loss_sum, grad_norm)  # False without a wait unless skip_step
         if not skipped:
             # Skipped (fp16) when any rank's gradients overflowed; update() then lowers the scale for every rank.
-            self.update.step()
+            self.update.step(self.scaler)
         self.scaler.update()
         self.scheduler.step()
         self.update.zero_grad()
