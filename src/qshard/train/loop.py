@@ -114,9 +114,9 @@ class Trainer:
         self.objective = (TokenObjective(self.loss_sum) if t.objective == "sft"
                           else PreferenceLoss(cfg, self.loss_sum, shared))
         policy = precision(cfg)
-        self.optimizer = build_optimizer(model, cfg.optim, optimizer_device(cfg, env.device), policy.loss_scaling,
-                                         cfg.lora.plus_lr_ratio)
-        self.grad_norm = grad_norm(optimizer_device(cfg, env.device))
+        host_or_gpu = optimizer_device(cfg, env.device)  # where the optimizer steps and the gradients end up
+        self.optimizer = build_optimizer(model, cfg.optim, host_or_gpu, policy.loss_scaling, cfg.lora.plus_lr_ratio)
+        self.grad_norm = grad_norm(host_or_gpu)
         # Loss scaling for fp16_mixed; in every other mode a pass-through with the same interface.
         self.scaler = policy.grad_scaler(env.device)
         self.nan_policy = build_nan_policy(t.nan_policy, policy.loss_scaling, env.is_main)
