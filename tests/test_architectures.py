@@ -77,6 +77,33 @@ def test_experts_are_quantized_per_expert(tiny_models, dist_env):
     assert (weight.view(stored.shape) - stored.float()).abs().max() < 0.2 * stored.float().abs().max()
 
 
+def test_double_quantized_experts_are_each_expert_on_its_own_and_train(tiny_models, dist_env):
+    """quant.double_quant over fused experts: each expert's rows hold its own NF4 codes, absmax codes and row
+    scales (what a per-expert quantization gives), and a forward and backward through them runs."""
+    from qshard.loading import Checkpoint
+    from qshard.quant import NF4DoubleQuantLinear, quantize_nf4
+    from qshard.quant.nf4 import compress_absmax
+
+    model_dir = tiny_models("mixtral", num_local_experts=4, **MOE)
+    cfg = Config()
+    cfg.quant.double_quant = True
+    model, _ = build_model(cfg.validate(), dist_env, model_dir)
+    layer = model.model.layers[0].mlp.experts.down_proj
+    assert isinstance(layer, NF4DoubleQuantLinear)
+    stored = Checkpoint(model_dir).read("model.layers.0.mlp.experts.down_proj").to(layer.packed.device)
+    for e in range(stored.shape[0]):
+        packed, absmax = quantize_nf4(stored[e], 64)
+        codes, row_absmax = compress_absmax(absmax, layer.codes_width)
+        rows = slice(e * stored.shape[1], (e + 1) * stored.shape[1])
+        assert torch.equal(_local(layer.packed).view(torch.uint8)[rows], packed)
+        assert torch.equal(_local(layer.absmax_codes).view(torch.uint8)[rows], codes)
+        assert torch.equal(_local(layer.row_absmax).view(torch.int32)[rows], row_absmax)
+    ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0)).to(layer.packed.device)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and any(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def test_model_without_block_declaration_is_refused(tiny_models):
     from qshard import models
     from qshard.hf_config import load_hf_config

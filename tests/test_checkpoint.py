@@ -275,6 +275,11 @@ def test_resume_refuses_another_quantized_base():
     cfg.quant.method, cfg.quant.bits = "hqq", 2
     with pytest.raises(QShardError, match=r"quant.method='nf4', but this run has quant.method='hqq'"):
         check_compatible(Path("ck"), state, cfg.validate(), "f")
+    # Double-quantized scales are another base too (an older qshard's checkpoint had fp32 ones).
+    cfg = Config()
+    cfg.quant.double_quant = True
+    with pytest.raises(QShardError, match=r"quant.double_quant=False, but this run has quant.double_quant=True"):
+        check_compatible(Path("ck"), state, cfg.validate(), "f")
 
 
 def test_corrupt_checkpoint_is_a_clear_error(uninterrupted, tiny_models, tmp_path, capsys):

@@ -80,8 +80,9 @@ def test_chunked_loss_equals_full_logits(dist_env, tiny_models, model_type, trai
         assert error < 1e-5, (name, float(error))
 
 
-def _run_config(model_dir, out, **parallel) -> Config:
+def _run_config(model_dir, out, double_quant: bool = False, **parallel) -> Config:
     cfg = Config()
+    cfg.quant.double_quant = double_quant
     cfg.model.path = str(model_dir)
     cfg.data.path = str(resources.files("qshard") / "demo_data" / "train.jsonl")
     cfg.data.eval_fraction = 0.0
@@ -103,12 +104,14 @@ def _losses(out):
 # On CPU, aot_eager runs the traced graphs without generating code: it checks dynamo's tracing of each
 # block (NF4 autograd function, LoRA, attention) under activation checkpointing and FSDP2's hooks, and
 # the autograd of the traced graphs. On a GPU, inductor's generated kernels too (the fast path itself).
+# Double-quantized NF4 too: its two tables (codes and scales) are two constants of each graph.
+@pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("backend", ["inductor" if torch.cuda.is_available() else "aot_eager"])
-def test_compiled_blocks_train_like_eager_blocks(tmp_path, tiny_models, backend):
+def test_compiled_blocks_train_like_eager_blocks(tmp_path, tiny_models, backend, double_quant):
     model_dir = tiny_models("llama")
-    train(_run_config(model_dir, tmp_path / "eager"))
+    train(_run_config(model_dir, tmp_path / "eager", double_quant))
     try:
-        train(_run_config(model_dir, tmp_path / "compiled", compile=True, compile_backend=backend))
+        train(_run_config(model_dir, tmp_path / "compiled", double_quant, compile=True, compile_backend=backend))
     finally:
         torch._dynamo.reset()
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")

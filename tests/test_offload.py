@@ -15,10 +15,16 @@ from qshard.config import resolve
 STEPS = 2
 
 
+# The quantized storage kinds offloaded: NF4 (with fp32 or double-quantized scales) and HQQ.
+METHODS = ("nf4", "nf4-dq", "hqq")
+
+
 def _build(model_dir: str, env, method: str, offload: bool, *extra: tuple[str, str]):
     from qshard.build import build_model
 
-    cfg = resolve(None, [("train.train_type", "qlora"), ("quant.method", method), ("train.precision", "fp32"),
+    quant = [("quant.method", "nf4"), ("quant.double_quant", "true")] if method == "nf4-dq" else \
+        [("quant.method", method)]
+    cfg = resolve(None, [("train.train_type", "qlora"), *quant, ("train.precision", "fp32"),
                          ("parallel.quant_sharding", "dtensor"), ("parallel.cpu_offload", str(offload).lower()),
                          *extra])
     model, _ = build_model(cfg, env, model_dir)
@@ -59,7 +65,8 @@ def _check_offloaded(model) -> None:
             assert host.is_pinned() == torch.cuda.is_available()
             assert host.data_ptr() == layer.offloaded.host[layer.STORAGE.index(name)].data_ptr()
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_buffers()}
-    assert not names & {"packed", "absmax", "scale_zero"}  # out of to_empty's and the state dict's reach
+    # Out of to_empty's and the state dict's reach.
+    assert not names & {name for layer in layers for name in layer.STORAGE}
 
 
 def _check_embedding_and_head_stay(model, world_size: int) -> None:
@@ -196,7 +203,7 @@ def _check_host_norm(model) -> None:
 
 
 def test_offloaded_storage_world_size_1(tiny_models, dist_env):
-    for method in ("nf4", "hqq"):
+    for method in METHODS:
         result = _compare(str(tiny_models("llama")), dist_env, method)
         assert result["shard_rows"] == result["rows"]
 
@@ -227,7 +234,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -
     from qshard.parallel.distributed import init_distributed, shutdown
 
     env = init_distributed()
-    results = {method: _compare(model_dir, env, method) for method in ("nf4", "hqq")}
+    results = {method: _compare(model_dir, env, method) for method in METHODS}
     torch.save(results, f"{result_dir}/rank{rank}.pt")
     shutdown()
 
@@ -236,7 +243,7 @@ def test_offloaded_storage_world_size_2(tmp_path, tiny_models):
     model_dir = tiny_models("llama")
     spawn(_worker, (2, free_port(), str(model_dir), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    for method in ("nf4", "hqq"):
+    for method in METHODS:
         assert results[0][method]["losses"] == results[1][method]["losses"]
         # Each rank's host shard holds half the rows.
         assert results[0][method]["shard_rows"] == results[1][method]["shard_rows"] == results[0][method]["rows"] // 2

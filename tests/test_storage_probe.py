@@ -27,9 +27,14 @@ RUNS = {
     "hqq-int-compiled-offload-grad_op": (True, [
         *OFFLOADED_GRAD_OP, ("parallel.compile", "true"), ("parallel.compile_backend", "aot_eager")]),
     "hqq-carriers-offload-grad_op": (False, OFFLOADED_GRAD_OP),
+    # NF4 with double-quantized scales: three storage tensors (codes, absmax codes, row absmax).
+    "nf4dq-int": (True, [("quant.double_quant", "true")]),
+    "nf4dq-carriers": (False, [("quant.double_quant", "true")]),
 }
 PAIRS = (("nf4-int", "nf4-carriers"), ("nf4-int-hybrid", "nf4-carriers"),
-         ("hqq-int-compiled-offload-grad_op", "hqq-carriers-offload-grad_op"))
+         ("hqq-int-compiled-offload-grad_op", "hqq-carriers-offload-grad_op"), ("nf4dq-int", "nf4dq-carriers"))
+# Each storage tensor's probe bytes: 17 rows of 32.
+PROBE_BYTES = 544
 PROBE = "byte for byte"  # in the log line the passed probe writes
 
 
@@ -151,12 +156,16 @@ def _quantized(model_dir, method: str) -> dict[str, torch.Tensor]:
     """Block 0's q_proj weight quantized whole, in this one process."""
     from qshard.loading import Checkpoint
     from qshard.quant import quantize_hqq, quantize_nf4
+    from qshard.quant.nf4 import compress_absmax
 
     weight = Checkpoint(model_dir).read("model.layers.0.self_attn.q_proj.weight")
     if method == "hqq":
         packed, scale_zero = quantize_hqq(weight, 4, 64)
         return {"packed": packed, "scale_zero": scale_zero}
     packed, absmax = quantize_nf4(weight, 64)
+    if method == "nf4dq":
+        codes, row_absmax = compress_absmax(absmax, -(-absmax.shape[1] // 2) * 2)
+        return {"packed": packed, "absmax_codes": codes, "row_absmax": row_absmax}
     return {"packed": packed, "absmax": absmax}
 
 
@@ -186,7 +195,7 @@ def test_integer_storage_trains_exactly_as_the_carriers(ranks, tiny_models):
             assert {t.dtype for t in results[0][integers]["gathered"].values()} == {torch.uint8, torch.int32}
         losses = _losses(out / integers)
         assert len(losses) == STEPS and all(loss == loss for loss in losses)  # finite, not NaN
-        if integers == "nf4-int":  # the same eager computation on the same bytes
+        if integers in ("nf4-int", "nf4dq-int"):  # the same eager computation on the same bytes
             assert _losses(out / carriers) == losses
         else:  # gradients all-reduced, not reduce-scattered; compiled (aot_eager) against eager: equal bits
             # here, an ulp or so allowed
@@ -206,9 +215,12 @@ def test_probe_passes_on_the_real_path_and_says_so(ranks):
         for name, (integers, _) in RUNS.items():
             (line,) = res[name]["probe"]
             kinds = "uint8/int32" if integers and res["takes_integers"] else "bfloat16/float32"
-            method = name.split("-")[0].upper()
+            tensors = 2
+            if name.startswith("nf4dq"):  # codes and absmax codes of one dtype, the row absmax
+                kinds, tensors = kinds.replace("/", "/" + kinds.split("/")[0] + "/"), 3
+            method = name.split("-")[0].upper().removesuffix("DQ")
             assert line.startswith(f"FSDP2 gathers the {method} storage (as {kinds}) byte for byte: checked on cpu, "
-                                   "2 rank(s), 1088 bytes"), line
+                                   f"2 rank(s), {tensors * PROBE_BYTES} bytes"), line
 
 
 def test_a_copy_path_that_changes_bytes_is_refused_at_build(ranks):

@@ -62,6 +62,7 @@ TRAIN_TYPES = {
     "llama_pro": [("train.train_type", "llama_pro"), ("model.path", EXPANDED)],
     "dora": [("train.train_type", "dora")],
     "qdora-nf4": [("train.train_type", "qdora")],
+    "qlora-nf4-double_quant": [("train.train_type", "qlora"), ("quant.double_quant", "true")],
     "qdora-hqq2-dtensor": [
         ("train.train_type", "qdora"),
         ("quant.method", "hqq"),

@@ -62,8 +62,8 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 # Options a checkpoint's tensors depend on: resuming with other values cannot load it (LoRA+ sets the optimizer's
 # groups; PiSSA/OLoRA the base the adapters were trained on).
 SHAPE_KEYS = ("train.train_type", "lora.rank", "lora.target_modules", "quant.method", "quant.bits",
-              "quant.blocksize", "model.block_class", "lora.plus_lr_ratio", "lora.init", "lora.modules_to_save",
-              "data.add_special_tokens")
+              "quant.blocksize", "quant.double_quant", "model.block_class", "lora.plus_lr_ratio", "lora.init",
+              "lora.modules_to_save", "data.add_special_tokens")
 # With PiSSA/OLoRA the base keeps W - scaling B0 A0, so the scaling is part of the base the adapters trained on.
 FROM_BASE_KEYS = ("lora.alpha", "lora.use_rslora")
 

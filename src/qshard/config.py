@@ -106,6 +106,9 @@ class QuantConfig:
     bits: Literal[_quant_bits_values()] = 4
     # How many consecutive weights of a row share one scale (NF4's absmax; HQQ's scale and zero).
     blocksize: Literal[64, 128, 256] = 64
+    # NF4 only: each block's absmax kept as one byte under its row's largest (double quantization): 4.13 instead
+    # of 4.5 bits per weight at blocksize 64 and 4,096 inputs, 8% less memory and host-to-GPU traffic for the base.
+    double_quant: bool = False
 
 
 @dataclass
@@ -568,6 +571,12 @@ class Config:
             raise QShardError(f"quant.method must be one of {', '.join(QUANT_BITS)}, got {q.method!r}")
         if q.bits not in QUANT_BITS[q.method]:
             raise QShardError(f"quant.bits: {q.method} {_bits_taken(q.method)}, got {q.bits}{_bits_elsewhere(q)}")
+        if q.double_quant and q.method != "nf4":
+            raise QShardError(f"quant.double_quant: compresses NF4's block scales; quant.method {q.method} keeps its "
+                              "own, so set quant.method nf4 or quant.double_quant false")
+        if q.double_quant and train_type not in QUANTIZED_TRAIN_TYPES:
+            raise QShardError(f"quant.double_quant: has no effect with train.train_type {train_type}, which keeps "
+                              "the base unquantized; use qlora or qdora")
         if q.method != QuantConfig.method and train_type not in QUANTIZED_TRAIN_TYPES:
             raise QShardError(
                 f"quant.method: {q.method} quantizes the frozen base, which train.train_type {train_type} keeps "

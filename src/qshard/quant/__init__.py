@@ -7,7 +7,7 @@ from qshard.config import QUANT_BITS
 from qshard.quant.experts import QuantizedExperts, fused_expert_params
 from qshard.quant.hqq import HQQLinear, dequantize_hqq, quantize_hqq
 from qshard.quant.linear import QuantizedLinear
-from qshard.quant.nf4 import NF4Linear, dequantize_nf4, quantize_nf4
+from qshard.quant.nf4 import NF4DoubleQuantLinear, NF4Linear, dequantize_nf4, quantize_nf4
 
 QUANT_METHODS: dict[str, type[QuantizedLinear]] = {"nf4": NF4Linear, "hqq": HQQLinear}
 # config.py's torch-free copy of the methods' bits (what it validates quant.bits against) says the same.
@@ -32,6 +32,7 @@ def experts_methods() -> list[str]:
 __all__ = [
     "QUANT_METHODS",
     "HQQLinear",
+    "NF4DoubleQuantLinear",
     "NF4Linear",
     "QuantizedExperts",
     "QuantizedLinear",
