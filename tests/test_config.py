@@ -92,6 +92,7 @@ COMPANIONS = {
     "parallel.ac_save_projections": {"parallel.compile": "true"},
     "parallel.resident_blocks": {"parallel.cpu_offload": "true", "parallel.quant_sharding": "dtensor"},
     "parallel.overlap_host_optimizer": {"parallel.cpu_offload": "true"},
+    "parallel.defer_grad_accumulation": {"parallel.cpu_offload": "true"},
     "train.early_stopping_patience": {"train.eval_every": "2"},
     "train.early_stopping_min_delta": {"train.eval_every": "2", "train.early_stopping_patience": "2"},
     "checkpoint.keep_best": {"train.eval_every": "2"},

@@ -268,6 +268,10 @@ class ParallelConfig:
     # cpu_offload: the host AdamW of each block runs in a host thread under the next forward, which waits for a
     # block's update just before copying its weights to the GPU (train/host_step.py); the same numbers.
     overlap_host_optimizer: bool = False
+    # cpu_offload with grad_accum > 1: the earlier micro-batches' gradients are added after each backward rather than
+    # by FSDP2 inside it, whose copy to the host is then synchronous (train/grad_sum.py); the same numbers, one more
+    # set of the trained weights' gradients in host memory.
+    defer_grad_accumulation: bool = False
     # Move the activations saved for backward to (pinned) CPU memory during forward, back in backward.
     activation_offload: bool = False
     # Who shards the NF4/HQQ codes and scales: FSDP2 itself (grouped, prefetched all-gathers; as integers, or
@@ -608,6 +612,9 @@ class Config:
         if p.overlap_host_optimizer and not p.cpu_offload:
             raise QShardError("parallel.overlap_host_optimizer: only has an effect with parallel.cpu_offload true "
                               "(the optimizer steps on the host)")
+        if p.defer_grad_accumulation and not p.cpu_offload:
+            raise QShardError("parallel.defer_grad_accumulation: only has an effect with parallel.cpu_offload true "
+                              "(FSDP2 copies gradients to the host only then)")
         _non_negative("parallel.replicate_degree", p.replicate_degree)
         if p.replicate_degree and p.sharding != "hybrid":
             raise QShardError(

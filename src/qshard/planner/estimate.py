@@ -377,6 +377,9 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
         "process and libraries": HOST_BASE_GIB * GIB * ranks,
         "offloaded weights (pinned)": pinned * ranks,
         "offloaded gradients": sum(p.stored_bytes for p in trained) * ranks,
+        # parallel.defer_grad_accumulation: the earlier micro-batches' sum, held beside the new gradients in backward;
+        # FSDP2's asynchronous copies land in pinned memory, one allocation per parameter.
+        "held gradient sum": sum(_pinned(p.stored_bytes) for p in trained) * ranks if _defers_grad_sum(cfg) else 0.0,
         "offloaded AdamW state": (sizes.optimizer if sizes.on_host else 0) * ranks,
         # model.embedding_on_host: each rank's own copy of the input embedding, in pageable memory.
         "input embedding": sum(p.stored_bytes for p in plans if p.on_host and p.holder == "in_place") * ranks,
@@ -393,6 +396,11 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
     loading = parts["process and libraries"] + parts["offloaded weights (pinned)"] + parts["input embedding"] + \
         ring * ranks
     return parts, loading
+
+
+def _defers_grad_sum(cfg: Config) -> bool:
+    p = cfg.parallel
+    return p.cpu_offload and p.defer_grad_accumulation and cfg.train.grad_accum > 1
 
 
 def _host_rows(cfg: Config, shapes: Shapes) -> float:

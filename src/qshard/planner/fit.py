@@ -49,10 +49,11 @@ def _settings(cfg: Config, world: int, seq: int, tiles_allowed: bool) -> list[di
             "train.micro_batch_size": m, "train.grad_accum": batch // m,
             "parallel.activation_checkpointing": ac, "parallel.ac_every": every,
             "parallel.ac_save_projections": proj, "parallel.activation_offload": act_off,
-            # Resident blocks are blocks kept out of the offload, and the overlapped host optimizer steps on the host:
-            # neither without it (config.py refuses them).
+            # Resident blocks are blocks kept out of the offload, the overlapped host optimizer steps on the host and
+            # deferred gradient sums keep its copies asynchronous: none without it (config.py refuses them).
             "parallel.cpu_offload": cpu_off, "parallel.resident_blocks": p.resident_blocks if cpu_off else 0,
             "parallel.overlap_host_optimizer": p.overlap_host_optimizer and cpu_off,
+            "parallel.defer_grad_accumulation": p.defer_grad_accumulation and cpu_off,
             "train.loss_chunk_tokens": chunk, "parallel.compile": compiled,
             "parallel.sharding": sharding, "parallel.mlp_tile_tokens": tile,
         })

@@ -22,6 +22,7 @@ from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
 from qshard.precision import precision
 from qshard.train.best import BestLoss
+from qshard.train.grad_sum import build_grad_sum
 from qshard.train.host_step import build_update
 from qshard.train.loss import TokenObjective, build_loss, loss_positions
 from qshard.train.metrics import MetricsLog, Progress, device_memory_gib, mfu_per_token_rate, peak_memory_gib
@@ -125,6 +126,9 @@ class Trainer:
         # The optimizer's step and zero_grad: on this thread, or under parallel.overlap_host_optimizer (cpu_offload)
         # block by block in a host thread that the next forward waits for (train/host_step.py).
         self.update = build_update(cfg, model, self.optimizer, env)
+        # How the micro-batches' gradients add up: in backward (FSDP2), or under parallel.defer_grad_accumulation
+        # after it, which keeps cpu_offload's copies to the host asynchronous (train/grad_sum.py).
+        self.grad_sum = build_grad_sum(cfg, self.params)
         self.progress = Progress(self.total_steps, env.is_main, t.log_every, device_memory_gib(env.device))
         self.mfu_rate = mfu_per_token_rate(model, env.device, env.world_size)  # None: no MFU in the records
         self.stop_requested = False  # set on this rank by the preemption signal handler
@@ -170,7 +174,9 @@ class Trainer:
             with self.activation_offload(batch["input_ids"].numel()):
                 loss, sums = self.objective(self.model, batch)
             self.update.wait()  # the last step's update (the forward's hooks waited for each block's already)
+            self.grad_sum.before_backward()
             self.scaler.scale(loss * scale).backward()
+            self.grad_sum.after_backward()
             loss_sum += loss.detach()
             metric_sums += sums
 
