@@ -121,3 +121,35 @@ def test_a_weight_no_micro_batch_after_the_first_reaches_keeps_its_sum():
         summed.after_backward()
         assert summed.held is None
     assert torch.equal(a.grad, torch.full((3,), 4.0)) and torch.equal(b.grad, torch.full((2,), 3.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP2 copies gradients asynchronously only to pinned memory")
+def test_every_copy_stays_asynchronous_on_a_gpu(tiny_models, dist_env, monkeypatch):
+    """On a GPU (pinned host memory), FSDP2 leaves an event for each unit's gradient copy, which it waits for at the
+    end of backward, only where the copy was asynchronous: with the sum deferred, in every micro-batch; without it,
+    in each step's first only."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    finalize = FSDPParamGroup.finalize_backward
+    for defer, want in ((False, [True, False, False]), (True, [True, True, True])):
+        seen: list[bool] = []
+
+        def record(group, seen=seen):
+            if group.fsdp_params and any(fp.offload_to_cpu and fp.sharded_param.requires_grad
+                                         for fp in group.fsdp_params):
+                seen.append(all(fp.grad_offload_event is not None for fp in group.fsdp_params
+                                if fp.sharded_param.requires_grad))
+            return finalize(group)
+
+        monkeypatch.setattr(FSDPParamGroup, "finalize_backward", record)
+        trainer = _trainer(str(tiny_models("llama")), dist_env, defer)
+        per_backward: list[list[bool]] = []
+        for step in range(2):
+            start = len(seen)
+            trainer.step(step)
+            per_backward.append(seen[start:])
+        # Units per backward: the same number each micro-batch; each micro-batch's units all async or all not.
+        for records in per_backward:
+            units = len(records) // MICRO_BATCHES
+            assert units and len(records) == units * MICRO_BATCHES
+            assert [all(records[i * units:(i + 1) * units]) for i in range(MICRO_BATCHES)] == want, (defer, records)
