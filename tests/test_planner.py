@@ -343,3 +343,28 @@ def test_a_bias_outside_the_blocks_does_not_count_as_blocks_used_in_place(tiny_m
     in_place = _plan(capsys, *common)
     host = "host-bound (kernel launches)"
     assert units["time_parts"][host] > 3 * in_place["time_parts"][host], (units["time_parts"], in_place["time_parts"])
+
+
+def test_fit_offers_double_quant_where_nothing_else_fits(capsys):
+    """--fit over an NF4 base with fp32 scales: where no setting searched fits, the same search with
+    quant.double_quant (a smaller base) is tried, and what fits there is offered with the option among its flags."""
+    from qshard.config import resolve
+    from qshard.planner.command import compile_planned, plan_model
+    from qshard.planner.estimate import USABLE_GPU_FRACTION
+    from qshard.planner.fit import search
+    from qshard.planner.hardware import Machine, gpu
+
+    args = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--seq", "2048"]
+    smallest = {}
+    for dq in (False, True):
+        cfg = compile_planned(resolve(None, [("model.shape", "llama3-8b"), ("quant.double_quant", str(dq).lower())]),
+                              triton=True)
+        _, least = search(plan_model(cfg, 1), cfg, Machine(gpu("h200", 1.0)), 2048, top=1)
+        smallest[dq] = least.estimate.peak_gpu_gib
+    assert smallest[True] < smallest[False]
+    between = (smallest[True] + smallest[False]) / 2 / USABLE_GPU_FRACTION  # a card only double quantization fits
+    found = _plan(capsys, *args, "--gpu-mem", f"{between:.6f}", "--fit")
+    assert found["fit"] and all(c["overrides"][0] == "--quant.double_quant true" for c in found["fit"]), found["fit"]
+    assert all(c["peak_gpu_gib"] <= found["usable_gpu_gib"] for c in found["fit"])
+    roomy = _plan(capsys, *args, "--gpu-mem", "24", "--fit")
+    assert roomy["fit"] and not any("--quant.double_quant true" in c["overrides"] for c in roomy["fit"])
