@@ -98,13 +98,13 @@ def test_deferred_sum_world_size_2(tmp_path, tiny_models):
 
 
 def test_deferred_sum_needs_cpu_offload_and_the_planner_counts_it():
-    from qshard.planner.estimate import _defers_grad_sum
+    from qshard.train.grad_sum import defers_grad_sum
 
     with pytest.raises(QShardError, match="parallel.defer_grad_accumulation: only has an effect with parallel.cpu_"):
         resolve(None, [("parallel.defer_grad_accumulation", "true")])
     on = [("parallel.cpu_offload", "true"), ("parallel.defer_grad_accumulation", "true")]
-    assert _defers_grad_sum(resolve(None, [*on, ("train.grad_accum", "2")]))
-    assert not _defers_grad_sum(resolve(None, on))  # one micro-batch: nothing to set aside
+    assert defers_grad_sum(resolve(None, [*on, ("train.grad_accum", "2")]))
+    assert not defers_grad_sum(resolve(None, on))  # one micro-batch: nothing to set aside
 
 
 def test_a_weight_no_micro_batch_after_the_first_reaches_keeps_its_sum():

@@ -21,16 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from qshard.adapters.lora import LoRALinear
+from qshard.parallel.mesh import local_tensor
 from qshard.quant import QuantizedLinear
 from qshard.quant.linear import full_storage
 from qshard.quant.matmul import RefetchingMatmul
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_base_rows(base: nn.Module) -> torch.Tensor:
@@ -38,8 +34,8 @@ def local_base_rows(base: nn.Module) -> torch.Tensor:
     `parallel.quant_sharding: dtensor`) shard every one of them along dim 0, the output rows, into the
     same row ranges as the magnitude, so no gather is needed to compute the rows' norms."""
     if isinstance(base, QuantizedLinear):
-        return base.dequantize(tuple(_local(getattr(base, name)) for name in base.STORAGE), torch.float32)
-    return _local(base.weight).float()
+        return base.dequantize(tuple(local_tensor(getattr(base, name)) for name in base.STORAGE), torch.float32)
+    return local_tensor(base.weight).float()
 
 
 def dense_base(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -75,7 +71,7 @@ class DoRALinear(LoRALinear):
         """LoRA's initial (A, B), returned for the caller to shard, with the same draws as LoRA; and the
         magnitude, set here in place from this rank's rows of the base, which must be loaded by now."""
         a, b = super().init_adapter(generator)
-        magnitude = _local(self.magnitude)
+        magnitude = local_tensor(self.magnitude)
         if magnitude.numel():
             rows = local_base_rows(self.base)
             assert rows.shape[0] == magnitude.shape[0], "base and magnitude sharded alike"

@@ -13,7 +13,7 @@ import os
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from qshard.config import Config
 from qshard.errors import QShardError
@@ -61,6 +61,11 @@ def build_mesh(cfg: Config, env: DistEnv) -> DeviceMesh:
 def shard_placements(mesh: DeviceMesh) -> list[Placement]:
     """FSDP2's placements on this mesh: dim 0 sharded over the last mesh dim, replicated over the other."""
     return [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t` as a plain tensor: a DTensor's local tensor, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_piece(full: torch.Tensor, mesh: DeviceMesh, placements: list[Placement] | tuple[Placement, ...]):

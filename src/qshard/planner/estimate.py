@@ -19,6 +19,7 @@ from qshard.planner.layout import TensorPlan, plan_mesh, state_sizes, storage_bl
 from qshard.planner.speed import extra_forwards, head_trains, step_times
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
+from qshard.train.grad_sum import defers_grad_sum
 
 GIB = 2**30
 # The transient memory of backward through one recomputed block, as a multiple of what its forward saves
@@ -379,7 +380,7 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
         "offloaded gradients": sum(p.stored_bytes for p in trained) * ranks,
         # parallel.defer_grad_accumulation: the earlier micro-batches' sum, held beside the new gradients in backward;
         # FSDP2's asynchronous copies land in pinned memory, one allocation per parameter.
-        "held gradient sum": sum(_pinned(p.stored_bytes) for p in trained) * ranks if _defers_grad_sum(cfg) else 0.0,
+        "held gradient sum": sum(_pinned(p.stored_bytes) for p in trained) * ranks if defers_grad_sum(cfg) else 0.0,
         "offloaded AdamW state": (sizes.optimizer if sizes.on_host else 0) * ranks,
         # model.embedding_on_host: each rank's own copy of the input embedding, in pageable memory.
         "input embedding": sum(p.stored_bytes for p in plans if p.on_host and p.holder == "in_place") * ranks,
@@ -396,11 +397,6 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
     loading = parts["process and libraries"] + parts["offloaded weights (pinned)"] + parts["input embedding"] + \
         ring * ranks
     return parts, loading
-
-
-def _defers_grad_sum(cfg: Config) -> bool:
-    p = cfg.parallel
-    return p.cpu_offload and p.defer_grad_accumulation and cfg.train.grad_accum > 1
 
 
 def _host_rows(cfg: Config, shapes: Shapes) -> float:

@@ -103,9 +103,9 @@ def compress_absmax(absmax_bits: torch.Tensor, width: int) -> tuple[torch.Tensor
     """Blocks' absmax (fp32 bits, int32 [out, blocks]) -> (their codes, uint8 [out, width], padded with the zero
     code to `width` columns; each row's largest absmax, fp32 bits int32 [out, 1]): the nearest level on the
     geometric scale, by the ratio's logarithm."""
+    # Non-finite weights are not checked here (a wait for the device at every layer): loading refuses them once it
+    # has read every tensor (loading/read_ahead.py).
     absmax = absmax_bits.view(torch.float32)
-    if not torch.isfinite(absmax).all():
-        raise ValueError("double quantization of a weight with non-finite values (inf or NaN)")
     row_max = absmax.amax(dim=1, keepdim=True)
     ratio = absmax.double() / torch.where(row_max > 0, row_max, 1).double()
     steps = (-torch.log2(ratio) * ABSMAX_STEPS_PER_OCTAVE).round().clamp(0, ABSMAX_ZERO_CODE - 1)
@@ -191,9 +191,14 @@ class NF4Linear(QuantizedLinear):
     ) -> None:
         if in_features % blocksize:
             raise ValueError(f"in_features {in_features} is not a multiple of the NF4 blocksize {blocksize}")
-        storage = {"packed": (in_features // 2, torch.uint8), "absmax": (in_features // blocksize, torch.int32)}
+        storage = {"packed": (in_features // 2, torch.uint8), **self.scale_storage(in_features // blocksize)}
         super().__init__(in_features, out_features, bias, storage, bias_dtype=bias_dtype, device=device)
         self.blocksize = blocksize
+
+    @staticmethod
+    def scale_storage(blocks: int) -> dict[str, tuple[int, torch.dtype]]:
+        """The storage of a row's `blocks` scales after its codes: name -> (row width, integer dtype)."""
+        return {"absmax": (blocks, torch.int32)}
 
     @classmethod
     def can_quantize(cls, in_features: int, quant: QuantConfig) -> bool:
@@ -246,23 +251,18 @@ class NF4DoubleQuantLinear(NF4Linear):
     # absmax as fp32.
     CARRIERS = {"packed": torch.bfloat16, "absmax_codes": torch.bfloat16, "row_absmax": torch.float32}
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        blocksize: int,
-        bias_dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str | None = None,
-    ) -> None:
-        if in_features % blocksize:
-            raise ValueError(f"in_features {in_features} is not a multiple of the NF4 blocksize {blocksize}")
-        # The storage may be held as carriers or moved to the host later: its widths are kept here.
-        self.blocks, self.codes_width = in_features // blocksize, -(-(in_features // blocksize) // 2) * 2
-        storage = {"packed": (in_features // 2, torch.uint8), "absmax_codes": (self.codes_width, torch.uint8),
-                   "row_absmax": (1, torch.int32)}
-        QuantizedLinear.__init__(self, in_features, out_features, bias, storage, bias_dtype=bias_dtype, device=device)
-        self.blocksize = blocksize
+    @staticmethod
+    def scale_storage(blocks: int) -> dict[str, tuple[int, torch.dtype]]:
+        return {"absmax_codes": (_codes_width(blocks), torch.uint8), "row_absmax": (1, torch.int32)}
+
+    # From the layer's shape, not its tensors: they may be held as carriers or moved to the host.
+    @property
+    def blocks(self) -> int:
+        return self.in_features // self.blocksize
+
+    @property
+    def codes_width(self) -> int:
+        return _codes_width(self.blocks)
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         packed, absmax = quantize_nf4(weight, self.blocksize)
@@ -274,3 +274,8 @@ class NF4DoubleQuantLinear(NF4Linear):
 
     def bits_per_weight(self) -> float:
         return 4 + (8 * self.codes_width + 32) / self.in_features
+
+
+def _codes_width(blocks: int) -> int:
+    """A row's absmax codes, padded to an even count (two to a bf16 carrier)."""
+    return -(-blocks // 2) * 2

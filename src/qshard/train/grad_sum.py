@@ -18,13 +18,9 @@ keeps for the run."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from qshard.config import Config
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from qshard.parallel.mesh import local_tensor
 
 
 class SummedInBackward:
@@ -64,16 +60,18 @@ class SummedAfterBackward:
             if p.grad is None:  # no gradient reached it in this micro-batch
                 p.grad = g
             else:
-                new.append(_local(p.grad))
-                old.append(_local(g))
+                new.append(local_tensor(p.grad))
+                old.append(local_tensor(g))
         if new:
             torch._foreach_add_(new, old)
         self.held = None
 
 
+def defers_grad_sum(cfg: Config) -> bool:
+    """Whether the run sums its micro-batches' gradients after backward: parallel.defer_grad_accumulation (config.py
+    allows it under cpu_offload only), where a step has more than one micro-batch."""
+    return cfg.parallel.cpu_offload and cfg.parallel.defer_grad_accumulation and cfg.train.grad_accum > 1
+
+
 def build_grad_sum(cfg: Config, params: list[torch.nn.Parameter]) -> SummedInBackward | SummedAfterBackward:
-    """parallel.defer_grad_accumulation's way (config.py allows it under cpu_offload only), where a step has more
-    than one micro-batch."""
-    if cfg.parallel.defer_grad_accumulation and cfg.train.grad_accum > 1:
-        return SummedAfterBackward(params)
-    return SummedInBackward()
+    return SummedAfterBackward(params) if defers_grad_sum(cfg) else SummedInBackward()
