@@ -2,7 +2,8 @@
 and the sequence-tiled MLP, under a GPU memory cap (80 GiB by default): tok/s, peak GPU memory, peak host RSS.
 
   python benchmarks/long_context.py --out DIR [--seqs 32768,65536,131072,262144,350208] [--max]
-        [--variants plain,offload,tiled,offload_tiled] [--tile 8192] [--cap-gib 80] [--steps 2] [--warmup 1]
+        [--variants plain,offload,tiled,offload_tiled,offload_tiled_kept] [--tile 8192] [--cap-gib 80]
+        [--steps 2] [--warmup 1]
         [--shape llama3-8b] [--timeout-s 1800] [--section.key VALUE ...]
   python benchmarks/long_context.py --out DIR --dry-run    # llama-tiny, two short sequences, on any machine
 
@@ -20,6 +21,7 @@ step_phases.py's trainer); extra `--section.key VALUE` options go to every run. 
   offload        parallel.activation_offload true (checkpointed block inputs in pinned host memory)
   tiled          parallel.mlp_tile_tokens --tile
   offload_tiled  both
+  offload_tiled_kept  both, and parallel.ac_keep_attention true (the recompute takes the forward's attention)
 The cap is torch.cuda.set_per_process_memory_fraction(cap / total) before anything is allocated, so the
 caching allocator fails past it as a card of that size would. tok/s: sequence length over the median step
 time after --warmup steps (optimizer step included). Peak GPU memory: max_memory_allocated and
@@ -45,6 +47,8 @@ VARIANTS = {
     "offload": ["--parallel.activation_offload", "true"],
     "tiled": ["--parallel.mlp_tile_tokens", "{tile}"],
     "offload_tiled": ["--parallel.activation_offload", "true", "--parallel.mlp_tile_tokens", "{tile}"],
+    "offload_tiled_kept": ["--parallel.activation_offload", "true", "--parallel.mlp_tile_tokens", "{tile}",
+                           "--parallel.ac_keep_attention", "true"],
 }
 GiB = 2**30
 

@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from qshard.errors import QShardError
+from qshard.parallel.kept_attention import kept_attention, takes
 
 # The model keyword (and batch key) of a shared batch's rows, three index tensors of the batch (so that a compiled
 # block's graph does not depend on how many pairs it holds): `second` [pairs, L2], each row's prompt and rejected
@@ -62,6 +63,10 @@ def shared_prompt_attention(module, query, key, value, attention_mask, dropout=0
     zeros at the padding."""
     rows = kwargs.pop(SHARED_ROWS, None)
     if rows is None:
+        if takes(module, query, key, attention_mask, dropout, is_causal, kwargs):
+            out = kept_attention(module, query, key, value, scaling)
+            if out is not None:
+                return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if _RowsTaken.counting and not torch.compiler.is_compiling():

@@ -257,6 +257,11 @@ class ParallelConfig:
     # narrowing projections (attention's q/k/v, LoRA's A) instead of recomputing them in backward: faster,
     # for more activation memory (docs/configuration.md says how much).
     ac_save_projections: bool = False
+    # Checkpointed blocks keep their attention's output and log-sum-exp from forward to backward, so the recompute
+    # does not run attention again (causal attention without a mask or dropout; parallel/kept_attention.py): for
+    # long context, where attention is most of a block's forward. Costs tokens x hidden size in the compute dtype
+    # per checkpointed block (1 GiB a block for an 8B model at 128k tokens), held on the GPU.
+    ac_keep_attention: bool = False
     # full: params, grads and optimizer state sharded (ZeRO-3); grad_op: the same, but each block keeps its
     # gathered weights from forward to backward (ZeRO-2); none: every rank holds everything (DDP-like);
     # hybrid: replicated across `replicate_degree` groups (nodes), sharded within each.
@@ -600,6 +605,10 @@ class Config:
                 "parallel.ac_reentrant: with parallel.compile the checkpoint would be traced into the compiled "
                 "graph, which then keeps the activations; use parallel.ac_reentrant false"
             )
+        if p.ac_keep_attention and (not p.activation_checkpointing or p.ac_reentrant):
+            raise QShardError("parallel.ac_keep_attention: needs parallel.activation_checkpointing true and "
+                              "parallel.ac_reentrant false (it keeps attention through torch's non-reentrant "
+                              "checkpoint)")
         if p.compile is False and p.compile_backend != "inductor":
             raise QShardError(f"parallel.compile_backend: {p.compile_backend} has no effect without parallel.compile")
         if p.ac_save_projections:
@@ -765,6 +774,7 @@ def checkpoint_trace_unmet(parallel: ParallelConfig, train_type: str, dropout: f
         ("parallel.quant_sharding fsdp",
          parallel.quant_sharding != "dtensor" or train_type not in QUANTIZED_TRAIN_TYPES),
         ("parallel.mlp_tile_tokens 0", not parallel.mlp_tile_tokens),
+        ("parallel.ac_keep_attention false", not parallel.ac_keep_attention),
     ) if not ok]
 
 

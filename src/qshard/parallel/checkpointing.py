@@ -27,9 +27,11 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from qshard.attention import use_shared_prompt_attention
 from qshard.config import ParallelConfig
 from qshard.errors import QShardError
 from qshard.host_embedding import HostEmbedding
+from qshard.parallel.kept_attention import keep_attention_in, kept_attention_contexts
 
 
 def checkpointed_blocks(blocks: list[nn.Module], p: ParallelConfig) -> list[nn.Module]:
@@ -47,8 +49,14 @@ def apply_activation_checkpointing(
     if not chosen:
         return
     if not p.ac_reentrant:
+        if p.ac_keep_attention:
+            use_qshard_sdpa(model)
         for block in chosen:
-            checkpoint(block)
+            if p.ac_keep_attention:
+                keep_attention_in(block)
+                checkpoint(block, context_fn=kept_attention_contexts)
+            else:
+                checkpoint(block)
         return
     plain = sorted({type(b).__name__ for b in chosen if not isinstance(b, GradientCheckpointingLayer)})
     if plain:
@@ -69,6 +77,17 @@ def apply_activation_checkpointing(
         from qshard.parallel.compile import first_block_shares_the_graph  # compile.py imports this module
 
         first_block_shares_the_graph(blocks)
+
+
+def use_qshard_sdpa(model: nn.Module) -> None:
+    """parallel.ac_keep_attention: the model's attention through qshard's "sdpa" function (attention.py), which
+    keeps it through the checkpoint; refused for a model that does not use transformers' sdpa attention."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        raise QShardError(f"parallel.ac_keep_attention: {type(model).__name__} runs {implementation} attention, and "
+                          "only sdpa attention is kept through the checkpoint; set model.attn_implementation sdpa "
+                          "or parallel.ac_keep_attention false")
+    use_shared_prompt_attention()
 
 
 def _draws_random_numbers(op, args, kwargs) -> bool:

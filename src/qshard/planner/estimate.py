@@ -152,6 +152,7 @@ class Shapes:
         self.vocab = head.weight.shape[0] if head is not None else text.vocab_size
         head_dim = getattr(text, "head_dim", None)
         self.attn_dim = text.num_attention_heads * head_dim if head_dim else self.hidden
+        self.heads = text.num_attention_heads
         self.compute = precision(cfg).compute.itemsize
         self.blocks = len(model.blocks)
         self.blocks_in_place = False  # set from the layout (estimate)
@@ -251,7 +252,8 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     outside = t * acts.outside
     loss = _loss_chunk(cfg, shapes) + outside
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
-    projections = _kept_projections(model, cfg, acts, shapes) / shapes.blocks  # per block, on average
+    # Kept beside the checkpoints by every checkpointed block until its backward, per block on average.
+    projections = (_kept_projections(model, cfg, acts, shapes) + _kept_attention(model, cfg, shapes)) / shapes.blocks
     factor = WORKING_SET_FACTOR["traced" if _traced(cfg, shapes) else "hooks"]
     phases = [(sum(kept) + projections * shapes.blocks, 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
     for i in reversed(range(shapes.blocks)):
@@ -316,6 +318,15 @@ def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shap
         return 0.0
     ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
     return sum(shapes.tokens * acts.projections[i] for i, b in enumerate(model.blocks) if id(b) in ckpt)
+
+
+def _kept_attention(model: Skeleton, cfg: Config, shapes: Shapes) -> float:
+    """Under parallel.ac_keep_attention: each checkpointed block's attention output (compute dtype) and log-sum-exp
+    (fp32, one a head and token), held on the GPU from its forward to its backward (parallel/kept_attention.py)."""
+    if not (cfg.parallel.ac_keep_attention and cfg.parallel.activation_checkpointing):
+        return 0.0
+    per_token = shapes.attn_dim * shapes.compute + shapes.heads * 4
+    return len(checkpointed_blocks(model.blocks, cfg.parallel)) * shapes.attention_tokens * per_token
 
 
 def _traced(cfg: Config, shapes: Shapes) -> bool:

@@ -52,6 +52,8 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     if kept_projections_traced:  # kept, not recomputed: the projections, attention
         matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
         recomputed_attention = 0.0
+    if p.ac_keep_attention:  # the recompute takes the forward's attention (parallel/kept_attention.py)
+        recomputed_attention = 0.0
     per_pass = 2 * shapes.attention_tokens * shapes.seq * shapes.attn_dim * shapes.blocks
     attention = per_pass * (1 + 2.5 + recomputed_attention)
     # Gradient-free forwards beside the step's own: a preference reference, KTO's mismatched pairs.
