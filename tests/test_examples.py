@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "mistral-7b-qdora.yaml": "mistral",
     "mixtral-8x7b-2x24gb.yaml": "mixtral",
     "llama3.1-70b-2x24gb.yaml": "llama",
+    "llama3.1-70b-1x24gb.yaml": "llama",
     "llama3.1-70b-8gpu.yaml": "llama",
     "continued-pretraining.yaml": "llama",
     "llama3.1-8b-dpo.yaml": "llama",
@@ -72,11 +73,14 @@ def data_files(tmp_path_factory):
     return get
 
 
-def _tiny(tiny_models, model_type: str, lora_rank: int = 8) -> Path:
+def _tiny(tiny_models, model_type: str, lora_rank: int = 8, resident_blocks: int = 0) -> Path:
     """The tiny model of `model_type`; with as many key/value heads as query heads where the rank needs the
     k/v projections as wide as the hidden size (128): a rank cannot exceed a layer's smaller side. Its
-    positions reach as far as the examples' sequences (the model it stands for has that many)."""
+    positions reach as far as the examples' sequences (the model it stands for has that many); it has more blocks
+    than the example keeps resident, so that some are streamed."""
     overrides = {**(MOE if model_type == "mixtral" else {}), "max_position_embeddings": 8192}
+    if resident_blocks >= 2:
+        overrides = {**overrides, "num_hidden_layers": resident_blocks + 2}
     if lora_rank > 64:
         overrides = {**overrides, "num_key_value_heads": 4}
     return tiny_models(model_type, **overrides)
@@ -129,7 +133,8 @@ def test_example_dry_run(name, tiny_models, data_files, tmp_path, monkeypatch, c
     relative output dir, resolved in an empty working directory, is not created; the cache is elsewhere)."""
     example = yaml.safe_load((EXAMPLES / name).read_text())
     model_type = ARCHITECTURES[name]
-    model_dir = _tiny(tiny_models, model_type, example["lora"]["rank"])
+    resident = (example.get("parallel") or {}).get("resident_blocks", 0)
+    model_dir = _tiny(tiny_models, model_type, example["lora"]["rank"], resident)
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
@@ -140,7 +145,8 @@ def test_example_dry_run(name, tiny_models, data_files, tmp_path, monkeypatch, c
     plan = _plan(out)
     train, parallel = example["train"], example.get("parallel") or {}
     world = parallel.get("nproc", 1)
-    assert plan["model"].startswith(f"{model_dir} ({CLASSES[model_type]}, 2 layers, ")
+    layers = resident + 2 if resident >= 2 else 2
+    assert plan["model"].startswith(f"{model_dir} ({CLASSES[model_type]}, {layers} layers, ")
     assert plan["train type"].startswith(train["train_type"])
     assert f"r={example['lora']['rank']} " in plan["train type"]
     assert re.fullmatch(r"[\d,]+ parameters \(\d+\.\d\d% of the model's\)", plan["trainable"])

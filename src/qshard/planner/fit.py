@@ -18,6 +18,10 @@ from qshard.planner.hardware import Machine
 LOSS_CHUNKS = (512, 1024, 2048)
 AC_EVERY = (1, 2, 4)
 MLP_TILE = 8192  # the tile measured at 128k and 256k tokens (docs/benchmarks.md)
+# From this sequence length, settings that keep attention through the checkpoint are searched too: there the
+# recompute's attention is a large part of the step (measured 32k to 128k tokens, docs/benchmarks.md); below, the
+# memory is better spent elsewhere, and the search stays half the size.
+KEEP_ATTENTION_FROM = 16384
 
 
 @dataclass
@@ -42,9 +46,10 @@ def _settings(cfg: Config, world: int, seq: int, tiles_allowed: bool) -> list[di
     quantized = t.train_type in QUANTIZED_TRAIN_TYPES
     found = []
     tiles = (0, MLP_TILE) if tiles_allowed and seq >= 2 * MLP_TILE else (0,)
-    for m, (ac, every), proj, act_off, cpu_off, chunk, compiled, sharding, tile in itertools.product(
+    keeps = (False, True) if seq >= KEEP_ATTENTION_FROM else (p.ac_keep_attention,)
+    for m, (ac, every), proj, act_off, cpu_off, chunk, compiled, sharding, tile, keep in itertools.product(
             micro, checkpointing, (False, True) if quantized and world == 1 else (False,), (False, True),
-            (False, True), LOSS_CHUNKS, compiles, shardings, tiles):
+            (False, True), LOSS_CHUNKS, compiles, shardings, tiles, keeps):
         found.append({
             "train.micro_batch_size": m, "train.grad_accum": batch // m,
             "parallel.activation_checkpointing": ac, "parallel.ac_every": every,
@@ -56,6 +61,7 @@ def _settings(cfg: Config, world: int, seq: int, tiles_allowed: bool) -> list[di
             "parallel.defer_grad_accumulation": p.defer_grad_accumulation and cpu_off,
             "train.loss_chunk_tokens": chunk, "parallel.compile": compiled,
             "parallel.sharding": sharding, "parallel.mlp_tile_tokens": tile,
+            "parallel.ac_keep_attention": keep and ac,
         })
     return found
 
