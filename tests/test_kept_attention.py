@@ -5,6 +5,7 @@ size 1 and 2; anything the kept path does not take (a padding mask) falls back t
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -38,12 +39,12 @@ class _Counted:
         return forward, backward
 
 
-def _trainer(model_dir: str, env, keep: bool, padded: bool = False, **parallel):
+def _trainer(model_dir: str, env, keep: bool, padded: bool = False, train_type: str = "qlora", **parallel):
     from qshard.build import build_model
     from qshard.data import Example
     from qshard.train.loop import Trainer
 
-    options = [("train.train_type", "qlora"), ("train.precision", "fp32"), ("optim.lr", "1e-2"),
+    options = [("train.train_type", train_type), ("train.precision", "fp32"), ("optim.lr", "1e-2"),
                ("train.micro_batch_size", "2"), ("train.grad_accum", str(MICRO_BATCHES)),
                ("train.max_steps", str(STEPS)), ("parallel.ac_keep_attention", str(keep).lower())]
     options += [(f"parallel.{k}", str(v).lower()) for k, v in parallel.items()]
@@ -56,10 +57,10 @@ def _trainer(model_dir: str, env, keep: bool, padded: bool = False, **parallel):
     return Trainer(resolve(None, options), env, model, examples, [], 0)
 
 
-def _trained(model_dir: str, env, keep: bool, padded: bool = False, **parallel) -> dict:
+def _trained(model_dir: str, env, keep: bool, padded: bool = False, train_type: str = "qlora", **parallel) -> dict:
     from torch.distributed.tensor import DTensor
 
-    trainer = _trainer(model_dir, env, keep, padded, **parallel)
+    trainer = _trainer(model_dir, env, keep, padded, train_type, **parallel)
     losses = [trainer.step(s)["loss"] for s in range(STEPS)]
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     local = [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in params]
@@ -97,23 +98,29 @@ def test_kept_attention_trains_bit_for_bit_and_skips_the_recompute(tiny_models, 
     assert counted.forward == counted.backward == layers * MICRO_BATCHES * STEPS
 
 
-def test_a_padding_mask_falls_back_to_transformers_attention(tiny_models, dist_env, monkeypatch):
+def test_a_padding_mask_falls_back_to_transformers_attention(tiny_models, dist_env, monkeypatch, caplog):
     model_dir = str(tiny_models("llama"))
     plain = _trained(model_dir, dist_env, False, padded=True)
     counted = _Counted()
     monkeypatch.setattr(kept_attention, "_CPU_KERNELS", counted.pair())
-    kept = _trained(model_dir, dist_env, True, padded=True)
+    monkeypatch.setattr(kept_attention, "_said", False)
+    with caplog.at_level(logging.WARNING, logger="qshard"):
+        kept = _trained(model_dir, dist_env, True, padded=True)
     _same(kept, plain)
+    said = [r for r in caplog.records if "ac_keep_attention" in r.getMessage()]
+    assert len(said) == 1, said  # once, however many blocks and steps fell back
     # Micro-batches of rows of one length take the kept path, those with a padding mask transformers' attention.
     assert counted.forward == counted.backward < 2 * MICRO_BATCHES * STEPS
 
 
-def test_a_recompute_takes_its_own_forwards_record(tiny_models, dist_env):
+def test_a_recompute_takes_its_own_forwards_record(tiny_models, dist_env, monkeypatch):
     """Two forwards of a checkpointed block before one backward: each recompute takes the attention its own forward
     recorded (the records are per forward, not per block), so the gradients are those of the plain path."""
     from qshard.build import build_model
 
     results = []
+    counted = _Counted()
+    monkeypatch.setattr(kept_attention, "_CPU_KERNELS", counted.pair())
     for keep in (False, True):
         cfg = resolve(None, [("train.train_type", "qlora"), ("train.precision", "fp32"),
                              ("parallel.ac_keep_attention", str(keep).lower())])
@@ -125,15 +132,18 @@ def test_a_recompute_takes_its_own_forwards_record(tiny_models, dist_env):
         loss.backward()
         results.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     plain, kept = results
+    assert counted.forward == counted.backward == 2 * 2  # kept: two forwards of two blocks, none recomputed
     assert plain.keys() == kept.keys() and plain
     assert all(torch.equal(plain[n], kept[n]) for n in plain)
 
 
-def test_options_it_needs():
+@pytest.mark.parametrize("option", [
+    ("parallel.activation_checkpointing", "false"), ("parallel.ac_reentrant", "true"),
+    ("model.attn_implementation", "eager"), ("data.packing", "true"), ("train.objective", "dpo"),
+])
+def test_refused_where_no_attention_would_be_kept(option):
     with pytest.raises(QShardError, match="parallel.ac_keep_attention"):
-        resolve(None, [("parallel.ac_keep_attention", "true"), ("parallel.activation_checkpointing", "false")])
-    with pytest.raises(QShardError, match="parallel.ac_keep_attention"):
-        resolve(None, [("parallel.ac_keep_attention", "true"), ("parallel.ac_reentrant", "true")])
+        resolve(None, [("parallel.ac_keep_attention", "true"), option])
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -> None:
@@ -143,8 +153,11 @@ def _worker(rank: int, world: int, port: int, model_dir: str, result_dir: str) -
 
     env = init_distributed()
     plain = _trained(model_dir, env, False)
+    counted = _Counted()
+    kept_attention._CPU_KERNELS = counted.pair()  # this process's own
     kept = _trained(model_dir, env, True)
     _same(kept, plain)
+    assert counted.forward == counted.backward == 2 * MICRO_BATCHES * STEPS
     torch.save(kept["losses"], f"{result_dir}/rank{rank}.pt")
     shutdown()
 
@@ -173,3 +186,19 @@ def test_gpu_kernels_give_sdpas_gradients():
     want = [want_out, *torch.autograd.grad(want_out, (q, k, v), grad)]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_a_call_no_kernel_takes_is_transformers_in_forward_and_recompute(tiny_models, dist_env, monkeypatch):
+    """Heads of 12 values, which SDPA's flash kernel takes only padded: left to transformers' attention in the
+    forward and, by the forward's record, in the recompute; the run trains as without the option."""
+    q = torch.randn(1, 2, 8, 12)
+    assert kept_attention._kernels(q, q, q, None) is None
+    assert kept_attention._kernels(torch.randn(1, 2, 8, 16), *(torch.randn(1, 2, 8, 16),) * 2, None) is not None
+    model_dir = str(tiny_models("llama", hidden_size=96, num_attention_heads=8, num_key_value_heads=4, head_dim=12,
+                                intermediate_size=128))
+    plain = _trained(model_dir, dist_env, False, train_type="lora")
+    counted = _Counted()
+    monkeypatch.setattr(kept_attention, "_CPU_KERNELS", counted.pair())
+    kept = _trained(model_dir, dist_env, True, train_type="lora")
+    _same(kept, plain)
+    assert counted.forward == counted.backward == 0

@@ -259,8 +259,8 @@ class ParallelConfig:
     ac_save_projections: bool = False
     # Checkpointed blocks keep their attention's output and log-sum-exp from forward to backward, so the recompute
     # does not run attention again (causal attention without a mask or dropout; parallel/kept_attention.py): for
-    # long context, where attention is most of a block's forward. Costs tokens x hidden size in the compute dtype
-    # per checkpointed block (1 GiB a block for an 8B model at 128k tokens), held on the GPU.
+    # long context, where attention is most of a block's forward. Costs tokens x heads x head size in the compute
+    # dtype per checkpointed block (1 GiB a block for an 8B model at 128k tokens), held on the GPU.
     ac_keep_attention: bool = False
     # full: params, grads and optimizer state sharded (ZeRO-3); grad_op: the same, but each block keeps its
     # gathered weights from forward to backward (ZeRO-2); none: every rank holds everything (DDP-like);
@@ -592,6 +592,27 @@ class Config:
                 f"unquantized; use train.train_type qlora (LoRA) or qdora (DoRA) over an {q.method.upper()} base"
             )
 
+    def _validate_kept_attention(self) -> None:
+        """parallel.ac_keep_attention keeps causal attention over whole rows without a mask
+        (parallel/kept_attention.py): refused where no attention call of the run would be that, so that it never costs
+        its memory for nothing."""
+        p = self.parallel
+        if not p.activation_checkpointing or p.ac_reentrant:
+            raise QShardError("parallel.ac_keep_attention: needs parallel.activation_checkpointing true and "
+                              "parallel.ac_reentrant false (it keeps attention through torch's non-reentrant "
+                              "checkpoint)")
+        if self.model.attn_implementation != "sdpa":
+            raise QShardError(f"parallel.ac_keep_attention: keeps sdpa attention only, and model.attn_implementation "
+                              f"is {self.model.attn_implementation}")
+        if self.data.packing:
+            raise QShardError("parallel.ac_keep_attention: packed rows attend through a mask that keeps their "
+                              "sequences apart, which it does not keep; use data.packing false, or leave "
+                              "ac_keep_attention off")
+        if self.train.objective in PAIR_OBJECTIVES:
+            raise QShardError(f"parallel.ac_keep_attention: train.objective {self.train.objective} runs each pair as "
+                              "one shared row (pref.share_prompt) or as two rows of different lengths with a padding "
+                              "mask, neither of which it keeps; leave ac_keep_attention off")
+
     def _validate_parallel(self) -> None:
         p = self.parallel
         _positive("parallel.ac_every", p.ac_every)
@@ -605,10 +626,8 @@ class Config:
                 "parallel.ac_reentrant: with parallel.compile the checkpoint would be traced into the compiled "
                 "graph, which then keeps the activations; use parallel.ac_reentrant false"
             )
-        if p.ac_keep_attention and (not p.activation_checkpointing or p.ac_reentrant):
-            raise QShardError("parallel.ac_keep_attention: needs parallel.activation_checkpointing true and "
-                              "parallel.ac_reentrant false (it keeps attention through torch's non-reentrant "
-                              "checkpoint)")
+        if p.ac_keep_attention:
+            self._validate_kept_attention()
         if p.compile is False and p.compile_backend != "inductor":
             raise QShardError(f"parallel.compile_backend: {p.compile_backend} has no effect without parallel.compile")
         if p.ac_save_projections:

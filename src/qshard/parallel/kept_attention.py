@@ -24,6 +24,7 @@ runs); any other call (a mask, packed rows, dropout, a shared preference batch) 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -31,13 +32,16 @@ import torch
 import torch.nn as nn
 from torch.nn.attention import SDPBackend
 
+log = logging.getLogger("qshard")
+
 # Set on the attention modules of the blocks that keep their attention (`keep_attention_in`).
 KEEP_FLAG = "qshard_keep_attention"
 
 
 @dataclass
 class _Kept:
-    """One block forward's attention results, in call order: recorded by the forward, taken by its recompute."""
+    """One block forward's attention results, in call order: recorded by the forward, taken by its recompute; None
+    for a call that ran transformers' attention instead (no kernel of SDPA's takes it)."""
 
     results: list[tuple] = field(default_factory=list)
     taken: int = 0
@@ -59,6 +63,21 @@ def _pass(kept: _Kept, recording: bool) -> Iterator[None]:
         yield
     finally:
         _State.current, _State.recording = saved
+    if recording and not any(r is not None for r in kept.results) and torch.is_grad_enabled():
+        _say_not_kept()
+
+
+_said = False
+
+
+def _say_not_kept() -> None:
+    """Once per process: a checkpointed block's forward kept no attention (a padding mask in its micro-batch, a
+    sliding window, ...), so its recompute runs attention again: the option costs nothing there, and gains nothing."""
+    global _said
+    if not _said:
+        _said = True
+        log.warning("parallel.ac_keep_attention: a checkpointed block's attention was not kept (a padding mask or "
+                    "another attention than causal over whole rows); those blocks recompute it as without the option")
 
 
 def kept_attention_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -131,13 +150,16 @@ _CPU_KERNELS = (_cpu_forward, _cpu_backward)
 
 
 def _kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None):
-    """The (forward, backward) pair SDPA would run for causal attention of these inputs, or None where it would
-    run the unfused math (which keeps its own intermediates: nothing to take)."""
-    if q.device.type == "cpu":
-        return _CPU_KERNELS if q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else None
-    if q.device.type != "cuda":
+    """The (forward, backward) pair SDPA would run for causal attention of these inputs, or None where it would run
+    another (the unfused math, which keeps its own intermediates; flash for a head size that is not a multiple of 8,
+    which SDPA pads first): transformers' attention then runs as without the option."""
+    if q.device.type not in ("cpu", "cuda"):
         return None
     choice = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scale))
+    if choice == SDPBackend.FLASH_ATTENTION and q.shape[-1] % 8:
+        return None
+    if q.device.type == "cpu":
+        return _CPU_KERNELS if choice == SDPBackend.FLASH_ATTENTION else None
     return _GPU_KERNELS.get(choice)
 
 
@@ -190,19 +212,25 @@ def kept_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     where no kernel takes it (the caller runs transformers' attention)."""
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
-    kernels = _kernels(query, key, value, scaling)
-    if kernels is None:
-        return None
     kept, recording = _State.current, _State.recording
-    if kept is not None and not recording:
+    if kept is not None and not recording:  # a recompute: the kernels its forward chose, and their results
         if kept.taken >= len(kept.results):
             raise RuntimeError("parallel.ac_keep_attention: a block's recompute ran more attention calls than its "
                                "forward recorded")
-        result, kept.results[kept.taken] = kept.results[kept.taken], None  # the recompute's saved tensors hold it now
+        record, kept.results[kept.taken] = kept.results[kept.taken], None  # its saved tensors hold it now
         kept.taken += 1
+        if record is None:  # the forward's call ran transformers' attention: so does its recompute
+            return None
+        result, backward = record
     else:
+        kernels = _kernels(query, key, value, scaling)
+        if kernels is None:
+            if kept is not None:
+                kept.results.append(None)
+            return None
         with torch.no_grad():  # the kernel's op alone, not its autograd (which would save q, k, v a second time)
             result = kernels[0](query, key, value, scaling)
+        backward = kernels[1]
         if kept is not None:
-            kept.results.append(result)
-    return _KeptAttention.apply(query, key, value, kernels[1], scaling, result).transpose(1, 2)
+            kept.results.append((result, backward))
+    return _KeptAttention.apply(query, key, value, backward, scaling, result).transpose(1, 2)
