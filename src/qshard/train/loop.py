@@ -137,11 +137,6 @@ class Trainer:
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
         self.fit_step = profiled(self._fit_step, cfg, env)  # train.profile_steps, or _fit_step itself
-        # `fit` queues a step before waiting for the one before it where nothing is due between them (see
-        # `_fit_step`); not while profiling, whose trace of a step should hold that step's work.
-        self.pipelined = t.profile_steps is None
-        self._pending: IssuedStep | None = None  # a step queued, not yet waited for
-        self._last_finish = 0.0  # when the last step was waited for (perf_counter)
         self.best = BestLoss(t.early_stopping_patience, t.early_stopping_min_delta)
         self.samples: Samples | None = None  # greedy completions at some steps (set by the run when on)
 
@@ -226,9 +221,7 @@ class Trainer:
         """Wait for an issued step and return its record. A loss or gradient norm that is not finite is
         judged here (train.nan_policy), from the totals the step reads anyway, before any use of the record."""
         loss_total, votes, *metric_sums, n_trained, n_input, grad_norm = issued.totals.tolist()  # the one wait
-        # From its issue, or from the wait for the step before where it was queued before that wait (`fit`).
-        now = time.perf_counter()
-        elapsed, self._last_finish = now - max(issued.start, self._last_finish), now
+        elapsed = time.perf_counter() - issued.start
         n_trained, n_input = int(n_trained), int(n_input)
         loss = loss_total / max(n_trained, 1)
         skipped = self.nan_policy.judge(issued.step + 1, loss, grad_norm, issued.skipped)
@@ -289,37 +282,11 @@ class Trainer:
 
     def _fit_step(self, step: int, metrics: MetricsLog, checkpoints: CheckpointManager | None,
                   result: FitResult) -> None:
-        """One step of `fit`: queue it, then wait for the step queued before it, if any, and record that; then, if
-        something is due once this step is done (evaluation, samples, a checkpoint, the run's end), wait for it and
-        do that. Otherwise it stays queued while the host queues the next step: the device goes from one step to the
-        next without waiting for the host to read a loss and start the next step's work."""
+        """One step of `fit`: train, evaluate when due, write its metrics line, save when due."""
         self.current_step = step + 1
         # Dropout's randomness is a function of the step, so a resumed run draws what it would have.
         torch.manual_seed(hash((self.cfg.train.seed, step, self.env.rank)) & 0x7FFF_FFFF)
-        issued = self.issue(step)
-        if self._pending is not None:
-            # Nothing is due after it; a preemption it reports is saved after the step just queued, which ends the run.
-            pending, self._pending = self._pending, None
-            self._complete(pending, metrics, checkpoints, result, save=False)
-        if self.pipelined and not self._due_after(step + 1) and not result.preempted:
-            self._pending = issued
-            return
-        self._complete(issued, metrics, checkpoints, result)
-
-    def _due_after(self, done: int) -> bool:
-        """Whether anything but the record is due once `done` steps are done: the run's end, an evaluation,
-        samples, a checkpoint (each needs that step's weights and nothing of the next step's)."""
-        every, save_every = self.cfg.train.eval_every, self.cfg.checkpoint.every_steps
-        return (done == self.total_steps or bool(every and done % every == 0 and self.eval_examples)
-                or (self.samples is not None and self.samples.due(done, self.total_steps))
-                or bool(save_every and done % save_every == 0))
-
-    def _complete(self, issued: IssuedStep, metrics: MetricsLog, checkpoints: CheckpointManager | None,
-                  result: FitResult, save: bool = True) -> None:
-        """Wait for a queued step and do what follows it: evaluation when due, samples, its metrics line, a save
-        when due (`save`: not for a step with another queued after it). A step whose loss is not finite raises here
-        (train.nan_policy: error)."""
-        record = self.finish(issued)
+        record = self.step(step)  # a step whose loss is not finite raises here (train.nan_policy: error)
         every = self.cfg.train.eval_every
         due = (every and record["step"] % every == 0) or record["step"] == self.total_steps
         if due and self.eval_examples:
@@ -335,9 +302,7 @@ class Trainer:
         result.records.append(record)
         result.preempted = self.stop_agreed
         if checkpoints is not None:
-            checkpoints.poll()
-            if save:
-                self._maybe_save(checkpoints, record["step"], result)
+            self._maybe_save(checkpoints, record["step"], result)
 
     def _judge_eval(self, done: int, result: FitResult) -> None:
         """Record the held-out loss after step `done` and decide whether to stop early. Every rank decides
@@ -351,6 +316,7 @@ class Trainer:
             )
 
     def _maybe_save(self, checkpoints: CheckpointManager, done: int, result: FitResult) -> None:
+        checkpoints.poll()
         every = self.cfg.checkpoint.every_steps
         final = (done == self.total_steps and self.cfg.checkpoint.at_end) or result.preempted or result.stopped_early
         # checkpoint.keep_best: a new best is saved now, and no pruning removes it while it is the best.
