@@ -83,7 +83,8 @@ def _same(a: dict, b: dict, exact: bool = True) -> None:
     {},
     {"activation_offload": True, "mlp_tile_tokens": 16},
     {"compile": True, "compile_backend": "aot_eager"},
-], ids=["eager", "offload-tiles", "compiled"])
+    {"cpu_offload": True, "quant_sharding": "dtensor"},
+], ids=["eager", "offload-tiles", "compiled", "cpu-offload"])
 def test_kept_attention_trains_bit_for_bit_and_skips_the_recompute(tiny_models, dist_env, monkeypatch, parallel):
     model_dir = str(tiny_models("llama"))
     plain = _trained(model_dir, dist_env, False, **parallel)
