@@ -33,16 +33,71 @@ from qshard.train.profiler import profiled
 from qshard.train.samples import Samples
 
 
+class HostCopy:
+    """A device tensor's values copied to host memory without waiting for them: `read` waits for that copy only,
+    not for work queued on the device after it (on a CPU, the tensor itself)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ready = None
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = t
+
+    def read(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+class StepClock:
+    """When a step began and ended: on the device's timeline (CUDA events) where there is one, so that a step is
+    timed by its own work whether or not the host queued it while the step before ran; else on the host's, where
+    `issue` runs the step itself."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.start, self.end = self._mark(), None
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self) -> None:
+        self.end = self._mark()
+
+    def seconds(self, previous: StepClock | None) -> float:
+        """From the step's start, or from the end of `previous` where the device was still running it then."""
+        if not self.cuda:
+            return self.end - self.start
+        self.end.synchronize()
+        ms = self.start.elapsed_time(self.end)
+        if previous is not None:
+            ms = min(ms, previous.end.elapsed_time(self.end))
+        return ms / 1e3
+
+
 @dataclass
 class IssuedStep:
     """An optimizer step queued on the device; `totals` (loss sum, stop votes, the objective's metric sums and
-    counts, trained units and input tokens, gradient norm, float64) is read when it is finished. `skipped`: its
-    update was left out (train.nan_policy: skip_step)."""
+    counts, trained units and input tokens, gradient norm, float64) is read when it is finished; `stop_vote`, whether
+    any rank was asked to stop before the step began, when the host decides whether to queue the next one.
+    `skipped`: its update was left out (train.nan_policy: skip_step). The loss scale and peak memory are the step's
+    own, read when it was queued (the next step may be queued before it is finished)."""
 
     step: int
-    start: float
-    totals: torch.Tensor
+    clock: StepClock
+    totals: HostCopy
+    stop_vote: HostCopy
     lr: float
+    loss_scale: float
+    peak_mem_gib: float | None
     skipped: bool = False
 
 
@@ -137,6 +192,11 @@ class Trainer:
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
         self.fit_step = profiled(self._fit_step, cfg, env)  # train.profile_steps, or _fit_step itself
+        # `fit` queues a step before waiting for the one before it where nothing is due between them (`_fit_step`);
+        # not while profiling, whose trace of a step should hold that step's work. The same on every rank.
+        self.pipelined = t.profile_steps is None
+        self._pending: IssuedStep | None = None  # a step queued, not yet waited for
+        self._last_clock: StepClock | None = None  # the last step waited for
         self.best = BestLoss(t.early_stopping_patience, t.early_stopping_min_delta)
         self.samples: Samples | None = None  # greedy completions at some steps (set by the run when on)
 
@@ -161,7 +221,12 @@ class Trainer:
         the optimizer on the host (parallel.overlap_host_optimizer: block by block under the next forward, see
         train/host_step.py), `train.nan_policy: skip_step` reads whether the loss and gradient norm are
         finite before the update, and transformers inspects the attention mask of a padded batch."""
-        start = time.perf_counter()
+        clock = StepClock(self.env.device)
+        # Whether any rank has been asked to stop before this step began: `fit` reads it before leaving this step
+        # queued behind the next, so a preemption saves no later than without queueing, but one step.
+        stop_vote = self._on_device(torch.tensor(float(self.stop_requested), dtype=torch.float64))
+        dist.all_reduce(stop_vote)
+        stop_vote = HostCopy(stop_vote)
         if not self.model.training:  # a walk over every module: only after evaluation
             self.model.train()
         inputs = self._prefetched.pop(step, None) or self._inputs(step)
@@ -203,7 +268,10 @@ class Trainer:
         # would idle at the start of every step while the host collates and copies them.
         if step + 1 < self.total_steps:
             self._prefetched = {step + 1: self._inputs(step + 1)}
-        return IssuedStep(step, start, torch.cat([totals, counts, norm]), lr, skipped)
+        issued = IssuedStep(step, clock, HostCopy(torch.cat([totals, counts, norm])), stop_vote, lr,
+                            self.scaler.get_scale(), peak_memory_gib(self.env.device), skipped)
+        clock.stop()
+        return issued
 
     def _inputs(self, step: int) -> StepInputs:
         """The micro-batches of global batch `step` on the device, and the loss scale that normalizes them."""
@@ -220,8 +288,8 @@ class Trainer:
     def finish(self, issued: IssuedStep) -> dict:
         """Wait for an issued step and return its record. A loss or gradient norm that is not finite is
         judged here (train.nan_policy), from the totals the step reads anyway, before any use of the record."""
-        loss_total, votes, *metric_sums, n_trained, n_input, grad_norm = issued.totals.tolist()  # the one wait
-        elapsed = time.perf_counter() - issued.start
+        loss_total, votes, *metric_sums, n_trained, n_input, grad_norm = issued.totals.read()  # the one wait
+        elapsed, self._last_clock = issued.clock.seconds(self._last_clock), issued.clock
         n_trained, n_input = int(n_trained), int(n_input)
         loss = loss_total / max(n_trained, 1)
         skipped = self.nan_policy.judge(issued.step + 1, loss, grad_norm, issued.skipped)
@@ -237,8 +305,8 @@ class Trainer:
             self.objective.unit: n_trained,
             "tokens_per_s": n_input / elapsed,
             "step_time_s": elapsed,
-            "peak_mem_gib": peak_memory_gib(self.env.device),
-            "loss_scale": self.scaler.get_scale(),  # 1.0 unless fp16_mixed
+            "peak_mem_gib": issued.peak_mem_gib,
+            "loss_scale": issued.loss_scale,  # 1.0 unless fp16_mixed
         }
         if self.mfu_rate is not None:
             record["mfu"] = record["tokens_per_s"] * self.mfu_rate
@@ -282,19 +350,54 @@ class Trainer:
 
     def _fit_step(self, step: int, metrics: MetricsLog, checkpoints: CheckpointManager | None,
                   result: FitResult) -> None:
-        """One step of `fit`: train, evaluate when due, write its metrics line, save when due."""
+        """One step of `fit`: queue it, then wait for the step queued before it, if any, and record that; then, if
+        something is due once this step is done (evaluation, samples, a checkpoint, the run's end) or some rank was
+        asked to stop, wait for it and do that. Otherwise it stays queued while the host queues the next step, and
+        the device goes from one step to the next without waiting for the host to read a loss. Every input to that
+        choice is the same on every rank, so every rank runs its collectives (a background save's poll among them)
+        in the same order."""
         self.current_step = step + 1
         # Dropout's randomness is a function of the step, so a resumed run draws what it would have.
         torch.manual_seed(hash((self.cfg.train.seed, step, self.env.rank)) & 0x7FFF_FFFF)
-        record = self.step(step)  # a step whose loss is not finite raises here (train.nan_policy: error)
+        issued = self.issue(step)
+        if self._pending is not None:  # nothing is due after it; a stop it reports is saved after `issued`
+            pending, self._pending = self._pending, None
+            self._complete(pending, metrics, checkpoints, result, save=False)
+        if (self.pipelined and not self._due_after(step + 1) and not result.preempted
+                and not issued.stop_vote.read()):
+            self._pending = issued
+            return
+        self._complete(issued, metrics, checkpoints, result)
+
+    def _due_after(self, done: int) -> bool:
+        """Whether anything but the record is due once `done` steps are done, with that step's weights alone: the
+        run's end, an evaluation (and with it early stopping and the best checkpoint), samples, a periodic save."""
+        return (done == self.total_steps or self._eval_due(done) or self._samples_due(done)
+                or self._save_due(done))
+
+    def _eval_due(self, done: int) -> bool:
         every = self.cfg.train.eval_every
-        due = (every and record["step"] % every == 0) or record["step"] == self.total_steps
-        if due and self.eval_examples:
+        return bool(self.eval_examples) and (bool(every and done % every == 0) or done == self.total_steps)
+
+    def _samples_due(self, done: int) -> bool:
+        return self.samples is not None and self.samples.due(done, self.total_steps)
+
+    def _save_due(self, done: int) -> bool:
+        every = self.cfg.checkpoint.every_steps
+        return bool(every and done % every == 0) or (done == self.total_steps and self.cfg.checkpoint.at_end)
+
+    def _complete(self, issued: IssuedStep, metrics: MetricsLog, checkpoints: CheckpointManager | None,
+                  result: FitResult, save: bool = True) -> None:
+        """Wait for a queued step and do what follows it: evaluation when due, samples, its metrics line, a save
+        when due (`save`: not for a step with another queued behind it, after which nothing is due). A step whose
+        loss is not finite raises here (train.nan_policy: error)."""
+        record = self.finish(issued)
+        if self._eval_due(record["step"]):
             result.last = self.evaluate()
             self.nan_policy.check_eval(f"after step {record['step']}", result.last.loss)
             record.update(result.last.fields())
             self._judge_eval(record["step"], result)
-        if self.samples is not None and self.samples.due(record["step"], self.total_steps):
+        if self._samples_due(record["step"]):
             self.update.wait()
             metrics.samples(record["step"], self.samples.generate(self.model, self.env.device))
         metrics.write(record)
@@ -302,7 +405,9 @@ class Trainer:
         result.records.append(record)
         result.preempted = self.stop_agreed
         if checkpoints is not None:
-            self._maybe_save(checkpoints, record["step"], result)
+            checkpoints.poll()
+            if save:
+                self._maybe_save(checkpoints, record["step"], result)
 
     def _judge_eval(self, done: int, result: FitResult) -> None:
         """Record the held-out loss after step `done` and decide whether to stop early. Every rank decides
@@ -316,13 +421,11 @@ class Trainer:
             )
 
     def _maybe_save(self, checkpoints: CheckpointManager, done: int, result: FitResult) -> None:
-        checkpoints.poll()
-        every = self.cfg.checkpoint.every_steps
         final = (done == self.total_steps and self.cfg.checkpoint.at_end) or result.preempted or result.stopped_early
         # checkpoint.keep_best: a new best is saved now, and no pruning removes it while it is the best.
         new_best = self.cfg.checkpoint.keep_best and self.best.step == done
         checkpoints.keep_step = self.best.step if self.cfg.checkpoint.keep_best else None
-        if final or new_best or (every and done % every == 0):
+        if final or new_best or self._save_due(done):
             meta = {**self.checkpoint_meta, "step": done, "scheduler": self.scheduler.state_dict(),
                     "grad_scaler": self.scaler.state_dict(),  # {} unless fp16_mixed
                     "eval_loss_start": result.first.loss if result.first else None,

@@ -523,7 +523,7 @@ def _preemption_handler(trainer: Trainer):
 
     def request_stop(signum, _frame):
         trainer.stop_requested = True
-        log.warning("received %s: finishing this step, then saving a checkpoint", signal.Signals(signum).name)
+        log.warning("received %s: finishing the steps under way, then saving a checkpoint", signal.Signals(signum).name)
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
