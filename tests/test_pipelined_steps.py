@@ -83,23 +83,39 @@ def test_steps_are_queued_ahead_except_before_what_is_due(tiny_models, tmp_path,
     _same_training(ahead, plain)
 
 
-def test_fp16_records_hold_each_steps_own_loss_scale(tiny_models, tmp_path, dist_env, monkeypatch):
+def test_fp16_and_activation_offload_wait_for_every_step(tiny_models, tmp_path, dist_env, monkeypatch):
+    """fp16_mixed reads its loss scale at the end of each step, and activation offload's copies hold a step's
+    activations' memory until the device reaches them: neither queues a step early."""
     model_dir = tiny_models("llama")
-    ahead = _run(_config(model_dir, tmp_path / "ahead", "fp16_mixed", False), dist_env, monkeypatch, True)
-    plain = _run(_config(model_dir, tmp_path / "plain", "fp16_mixed", False), dist_env, monkeypatch, False)
-    assert ("finish", 0) in ahead[0] and ahead[0].index(("issue", 1)) < ahead[0].index(("finish", 0))
-    assert len({r["loss_scale"] for r in plain[1]}) > 1, "the scale never moved: the test would not see a lag"
-    _same_training(ahead, plain)
+    for name, option in (("fp16", ("train", "precision", "fp16_mixed")),
+                         ("offload", ("parallel", "activation_offload", True))):
+        cfg = _config(model_dir, tmp_path / name, evaluate=False)
+        setattr(getattr(cfg, option[0]), option[1], option[2])
+        events, records, _ = _run(cfg.validate(), dist_env, monkeypatch, True)
+        assert events == [(kind, s) for s in range(6) for kind in ("issue", "finish")], name
+        assert len(records) == 6
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
-def test_a_stop_saves_one_checkpoint_of_the_last_step_run(tiny_models, tmp_path, dist_env, monkeypatch, pipelined):
-    """Asked to stop once step 3 has been waited for: without queueing the run saves after step 4 (the next step's
-    vote); queued, step 4 may already be queued with its vote taken, so it saves after step 5 at the latest."""
+@pytest.mark.parametrize("when", ["after_wait", "inside_step"])
+def test_a_stop_saves_one_checkpoint_of_the_last_step_run(tiny_models, tmp_path, dist_env, monkeypatch, pipelined,
+                                                          when):
+    """Asked to stop once step 3 has been waited for, or while step 4 is being queued (after its first vote, before
+    its totals): without queueing the run saves after step 4; queued, step 5 is queued by the time step 4's stop is
+    read, and the run saves after it. One checkpoint either way, of the last step run."""
     out = tmp_path / "run"
     cfg = _config(tiny_models("llama"), out, evaluate=False)
     cfg.train.max_steps = 8
-    _, records, _ = _run(cfg, dist_env, monkeypatch, pipelined, stop_after=2)
+    if when == "inside_step":
+        rows = Trainer._rows_to_device
+
+        def asked_while_queueing(self, batch):
+            if self.current_step == 4:
+                self.stop_requested = True
+            return rows(self, batch)
+
+        monkeypatch.setattr(Trainer, "_rows_to_device", asked_while_queueing)
+    _, records, _ = _run(cfg, dist_env, monkeypatch, pipelined, stop_after=2 if when == "after_wait" else None)
     [saved] = complete_checkpoints(out / "checkpoints")
     last = records[-1]["step"]
     assert saved.name.endswith(f"{last:08d}")
@@ -108,22 +124,23 @@ def test_a_stop_saves_one_checkpoint_of_the_last_step_run(tiny_models, tmp_path,
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device-timeline clock and pinned copies are CUDA's")
 def test_on_a_gpu_a_queued_steps_values_and_time_are_its_own():
-    """HostCopy reads what the device computed without waiting for work queued after it; StepClock times a step on
-    the device's timeline, from the end of the step before it where that was later than its own start."""
+    """HostCopy reads what the device computed without waiting for the work queued after it; StepClock times each
+    step on the device's timeline, a step queued behind another from that one's end."""
     from qshard.train.loop import HostCopy, StepClock
 
     device = torch.device("cuda")
-    a = torch.randn(2048, 2048, device=device)
+    torch.ones(1, device=device).sum().item()  # the context and the first kernels loaded before any timing
+    cycles = 200_000_000  # about 0.1 s of the device's time at 2 GHz
     first = StepClock(device)
-    for _ in range(20):
-        a = a @ a / a.norm()
-    snapshot = a.sum().reshape(1).double()
-    copy = HostCopy(snapshot)
+    torch.cuda._sleep(cycles)
+    value = torch.full((2,), 7.0, device=device, dtype=torch.float64)
+    copy = HostCopy(value)
     first.stop()
-    second = StepClock(device)  # queued behind the first: starts on the device when the first ends
-    for _ in range(20):
-        a = a @ a / a.norm()
+    second = StepClock(device)  # queued behind the first
+    torch.cuda._sleep(4 * cycles)
     second.stop()
-    assert copy.read() == [pytest.approx(snapshot.item())]
-    t1, t2 = first.seconds(None), second.seconds(first)
-    assert t1 > 0 and t2 > 0 and abs(t2 - t1) < 0.5 * t1, (t1, t2)
+    value.fill_(-1.0)  # the memory the copy read, changed after it
+    assert copy.read() == [7.0, 7.0]
+    assert not second.end.query(), "reading the first step's values waited for the second step"
+    t1, t2 = first.seconds(), second.seconds()
+    assert 2.5 * t1 < t2 < 6 * t1, (t1, t2)  # each step its own: the second four times the first

@@ -47,16 +47,16 @@ class HostCopy:
         else:
             self.host = t
 
-    def read(self) -> list:
+    def read(self) -> list | float:
         if self.ready is not None:
             self.ready.synchronize()
         return self.host.tolist()
 
 
 class StepClock:
-    """When a step began and ended: on the device's timeline (CUDA events) where there is one, so that a step is
-    timed by its own work whether or not the host queued it while the step before ran; else on the host's, where
-    `issue` runs the step itself."""
+    """When a step began and ended: on the device's timeline (CUDA events) where there is one, else on the host's,
+    where `issue` runs the step itself. A step queued while the one before it runs begins on the device when that
+    one ends, so either way a step is timed by its own work and the device's idle time inside it."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -72,15 +72,11 @@ class StepClock:
     def stop(self) -> None:
         self.end = self._mark()
 
-    def seconds(self, previous: StepClock | None) -> float:
-        """From the step's start, or from the end of `previous` where the device was still running it then."""
+    def seconds(self) -> float:
         if not self.cuda:
             return self.end - self.start
         self.end.synchronize()
-        ms = self.start.elapsed_time(self.end)
-        if previous is not None:
-            ms = min(ms, previous.end.elapsed_time(self.end))
-        return ms / 1e3
+        return self.start.elapsed_time(self.end) / 1e3
 
 
 @dataclass
@@ -192,11 +188,14 @@ class Trainer:
         self.checkpoint_meta: dict = {}  # identity fields saved with every checkpoint (set by the run)
         self._prefetched: dict[int, StepInputs] = {}  # the next step's inputs, sent during this step
         self.fit_step = profiled(self._fit_step, cfg, env)  # train.profile_steps, or _fit_step itself
-        # `fit` queues a step before waiting for the one before it where nothing is due between them (`_fit_step`);
-        # not while profiling, whose trace of a step should hold that step's work. The same on every rank.
-        self.pipelined = t.profile_steps is None
+        # `fit` queues a step before waiting for the one before it where nothing is due between them (`_fit_step`).
+        # Not while profiling, whose trace of a step should hold that step's work; not with activation offload,
+        # whose copies keep the device memory of a step's activations from other use until the device reaches
+        # them (a step queued early would hold the next step's too); not under fp16_mixed, whose loss scale is
+        # read at the end of each step (a wait for it). The same on every rank.
+        self.pipelined = (t.profile_steps is None and not cfg.parallel.activation_offload
+                          and not policy.loss_scaling)
         self._pending: IssuedStep | None = None  # a step queued, not yet waited for
-        self._last_clock: StepClock | None = None  # the last step waited for
         self.best = BestLoss(t.early_stopping_patience, t.early_stopping_min_delta)
         self.samples: Samples | None = None  # greedy completions at some steps (set by the run when on)
 
@@ -289,7 +288,7 @@ class Trainer:
         """Wait for an issued step and return its record. A loss or gradient norm that is not finite is
         judged here (train.nan_policy), from the totals the step reads anyway, before any use of the record."""
         loss_total, votes, *metric_sums, n_trained, n_input, grad_norm = issued.totals.read()  # the one wait
-        elapsed, self._last_clock = issued.clock.seconds(self._last_clock), issued.clock
+        elapsed = issued.clock.seconds()
         n_trained, n_input = int(n_trained), int(n_input)
         loss = loss_total / max(n_trained, 1)
         skipped = self.nan_policy.judge(issued.step + 1, loss, grad_norm, issued.skipped)
@@ -351,8 +350,9 @@ class Trainer:
     def _fit_step(self, step: int, metrics: MetricsLog, checkpoints: CheckpointManager | None,
                   result: FitResult) -> None:
         """One step of `fit`: queue it, then wait for the step queued before it, if any, and record that; then, if
-        something is due once this step is done (evaluation, samples, a checkpoint, the run's end) or some rank was
-        asked to stop, wait for it and do that. Otherwise it stays queued while the host queues the next step, and
+        something is due once this step is done (evaluation, samples, a checkpoint, the run's end), some rank was
+        asked to stop or a background save is being written (its poll waits for the device), wait for it and do
+        that. Otherwise it stays queued while the host queues the next step, and
         the device goes from one step to the next without waiting for the host to read a loss. Every input to that
         choice is the same on every rank, so every rank runs its collectives (a background save's poll among them)
         in the same order."""
@@ -364,7 +364,7 @@ class Trainer:
             pending, self._pending = self._pending, None
             self._complete(pending, metrics, checkpoints, result, save=False)
         if (self.pipelined and not self._due_after(step + 1) and not result.preempted
-                and not issued.stop_vote.read()):
+                and (checkpoints is None or checkpoints.pending is None) and not issued.stop_vote.read()):
             self._pending = issued
             return
         self._complete(issued, metrics, checkpoints, result)
