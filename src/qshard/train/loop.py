@@ -352,10 +352,9 @@ class Trainer:
         """One step of `fit`: queue it, then wait for the step queued before it, if any, and record that; then, if
         something is due once this step is done (evaluation, samples, a checkpoint, the run's end), some rank was
         asked to stop or a background save is being written (its poll waits for the device), wait for it and do
-        that. Otherwise it stays queued while the host queues the next step, and
-        the device goes from one step to the next without waiting for the host to read a loss. Every input to that
-        choice is the same on every rank, so every rank runs its collectives (a background save's poll among them)
-        in the same order."""
+        that. Otherwise it stays queued while the host queues the next step, and the device goes from one step to
+        the next without waiting for the host to read a loss. Every input to that choice is the same on every rank,
+        so every rank runs its collectives (a background save's poll among them) in the same order."""
         self.current_step = step + 1
         # Dropout's randomness is a function of the step, so a resumed run draws what it would have.
         torch.manual_seed(hash((self.cfg.train.seed, step, self.env.rank)) & 0x7FFF_FFFF)
