@@ -323,7 +323,7 @@ def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shap
 def _kept_attention(model: Skeleton, cfg: Config, shapes: Shapes) -> float:
     """Under parallel.ac_keep_attention: each checkpointed block's attention output (compute dtype) and log-sum-exp
     (fp32, one a head and token), held on the GPU from its forward to its backward (parallel/kept_attention.py)."""
-    if not (cfg.parallel.ac_keep_attention and cfg.parallel.activation_checkpointing):
+    if not cfg.parallel.ac_keep_attention:  # refused without checkpointing (config.py)
         return 0.0
     per_token = shapes.attn_dim * shapes.compute + shapes.heads * 4
     return len(checkpointed_blocks(model.blocks, cfg.parallel)) * shapes.attention_tokens * per_token

@@ -90,7 +90,7 @@ class IssuedStep:
     step: int
     clock: StepClock
     totals: HostCopy
-    stop_vote: HostCopy
+    stop_vote: HostCopy | None  # taken where `fit` may queue steps (Trainer.pipelined)
     lr: float
     loss_scale: float
     peak_mem_gib: float | None
@@ -222,10 +222,13 @@ class Trainer:
         finite before the update, and transformers inspects the attention mask of a padded batch."""
         clock = StepClock(self.env.device)
         # Whether any rank has been asked to stop before this step began: `fit` reads it before leaving this step
-        # queued behind the next, so a preemption saves no later than without queueing, but one step.
-        stop_vote = self._on_device(torch.tensor(float(self.stop_requested), dtype=torch.float64))
-        dist.all_reduce(stop_vote)
-        stop_vote = HostCopy(stop_vote)
+        # queued behind the next, so a preemption saves no later than without queueing, but one step. Only where
+        # steps are queued (the same on every rank, so the all-reduce is too).
+        stop_vote = None
+        if self.pipelined:
+            stop_vote = self._on_device(torch.tensor(float(self.stop_requested), dtype=torch.float64))
+            dist.all_reduce(stop_vote)
+            stop_vote = HostCopy(stop_vote)
         if not self.model.training:  # a walk over every module: only after evaluation
             self.model.train()
         inputs = self._prefetched.pop(step, None) or self._inputs(step)
