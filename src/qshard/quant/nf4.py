@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from bitsandbytes import functional as bnbf
 
 from qshard.config import QuantConfig
+from qshard.quant import nf4_triton
 from qshard.quant.linear import QuantizedLinear, gathered
 from qshard.quant.matmul import RefetchingMatmul
 
@@ -138,9 +139,12 @@ def _dequantize_torch(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.d
 
 
 def _dequantize(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`packed` codes times `absmax` (fp32 [out, blocks]): in plain torch ops inside a compiled graph, which
-    fuses them into one kernel, else through bitsandbytes' (bit-identical)."""
+    """`packed` codes times `absmax` (fp32 [out, blocks]), all three ways bit-identical: inside a compiled graph,
+    qshard's Triton kernel on CUDA (nf4_triton.py) or else plain torch ops, which the compiler fuses into one kernel;
+    outside one, bitsandbytes' op."""
     if torch.compiler.is_compiling():
+        if nf4_triton.AVAILABLE and packed.is_cuda:
+            return nf4_triton.dequantize(packed.view(torch.uint8), absmax, _nf4_table(packed.device), dtype)
         return _dequantize_torch(packed, absmax, dtype)
     return _dequantize_bnb(packed, absmax, dtype)
 

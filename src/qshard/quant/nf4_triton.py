@@ -1,0 +1,67 @@
+"""NF4 dequantization as one Triton kernel, for CUDA devices where Triton is installed.
+
+The plain-torch expression in nf4.py, fused by the compiler, computes each weight on its own: it loads the weight's
+packed byte, picks one nibble, looks the level up and scales it. This kernel reads a run of packed bytes once, looks
+both nibbles of each byte up, and writes the two weights side by side, so each byte, scale and index is handled once
+per byte instead of once per weight; the dequantization of a block's weights is a write-bound copy, and this one
+gets close to the device's write rate (docs/benchmarks.md, "NF4 dequantization kernels").
+
+Bit-identical to the other two paths: the same fp32 level times the same fp32 scale, rounded once to the output
+dtype. Registered as a Triton custom op (`torch.library.triton_op`) so that compiled blocks call the kernel inside
+their graphs instead of breaking them. Compiled graphs only: called eagerly, the op's dispatch costs more host time
+per call than bitsandbytes' op, which eager blocks keep.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+AVAILABLE = importlib.util.find_spec("triton") is not None
+
+# Packed bytes per program (two weights each) and its warps: the best of those tried on an H200.
+_BYTES_PER_PROGRAM = 1024
+_WARPS = 4
+
+if AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dequantize_kernel(packed_ptr, absmax_ptr, table_ptr, out_ptr, n_bytes,
+                           BYTES_PER_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offsets = start + tl.arange(0, BLOCK)
+        inside = offsets < n_bytes
+        byte = tl.load(packed_ptr + offsets, mask=inside, other=0).to(tl.int32)
+        scale = tl.load(absmax_ptr + offsets // BYTES_PER_SCALE, mask=inside, other=0.0)
+        high = tl.load(table_ptr + (byte >> 4)) * scale  # the first weight of the pair: bitsandbytes' order
+        low = tl.load(table_ptr + (byte & 15)) * scale
+        weights = tl.interleave(high, low).to(out_ptr.dtype.element_ty)
+        out = 2 * start + tl.arange(0, 2 * BLOCK)
+        tl.store(out_ptr + out, weights, mask=out < 2 * n_bytes)
+
+    @torch.library.triton_op("qshard::nf4_dequantize", mutates_args=())
+    def _nf4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+        return _launch(torch.library.wrap_triton(_dequantize_kernel), packed, absmax, table, dtype)
+
+
+def _launch(kernel, packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Run `kernel` (the op's wrapped kernel; the bare one in Triton's interpreter, which the wrapper refuses on some
+    torch versions) over every packed byte."""
+    out_features, half_in = packed.shape
+    out = torch.empty(out_features, 2 * half_in, dtype=dtype, device=packed.device)
+    n_bytes = packed.numel()
+    grid = (triton.cdiv(n_bytes, _BYTES_PER_PROGRAM),)
+    kernel[grid](packed, absmax, table, out, n_bytes, BYTES_PER_SCALE=half_in // absmax.shape[1],
+                 BLOCK=_BYTES_PER_PROGRAM, num_warps=_WARPS)
+    return out
+
+
+def dequantize(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`packed` codes (uint8 [out, in/2]) times `absmax` (fp32 [out, blocks]), each code's level read from `table`
+    (fp32 [16]), as [out, in] in `dtype`. Only where `AVAILABLE`."""
+    return torch.ops.qshard.nf4_dequantize(packed.contiguous(), absmax.contiguous(), table, dtype)
