@@ -27,6 +27,7 @@ MOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=128)
 # A new example must be listed here.
 ARCHITECTURES = {
     "qlora-8b.yaml": "llama",
+    "qlora-8b-fast.yaml": "llama",
     "llama3.1-8b-chat.yaml": "llama",
     "qwen2.5-7b-packing.yaml": "qwen2",
     "mistral-7b-qdora.yaml": "mistral",
