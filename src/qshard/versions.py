@@ -9,12 +9,13 @@ from importlib import metadata
 
 import qshard
 
-# The libraries whose version can change a run's numbers or speed; peft is optional.
-LIBRARIES = ("torch", "transformers", "bitsandbytes", "peft")
+# The libraries whose version can change a run's numbers or speed; peft and triton (compiled blocks' kernels) are
+# optional.
+LIBRARIES = ("torch", "transformers", "bitsandbytes", "peft", "triton")
 
 
 def versions() -> dict[str, str]:
-    """{qshard, python, torch, transformers, bitsandbytes, peft: version, or "not installed"}."""
+    """{qshard, python, torch, transformers, bitsandbytes, peft, triton: version, or "not installed"}."""
     found = {"qshard": qshard.__version__, "python": platform.python_version()}
     for name in LIBRARIES:
         try:

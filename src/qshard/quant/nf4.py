@@ -74,8 +74,9 @@ _ABSMAX_LEVELS = torch.cat([
 
 # One table of each kind per device, the same tensor in every call, so that the two dequantizations of a weight
 # in a checkpointed block's backward graph (the recomputed forward's and the input gradient's) are one
-# expression, which the compiler computes once; a table built in each call was a graph constant of its own, and
-# never merged. Copied to the device once: a host table moved there in every call was a blocking copy each time.
+# expression, which the compiler computes once where the expression runs (see `_dequantize`); a table built in each
+# call was a graph constant of its own, and never merged. Copied to the device once: a host table moved there in
+# every call was a blocking copy each time.
 # One function per table: the compiler names a constant result after its function, and refuses two of a name.
 _NF4_TABLES: dict[torch.device, torch.Tensor] = {}
 _ABSMAX_TABLES: dict[torch.device, torch.Tensor] = {}
@@ -140,10 +141,11 @@ def _dequantize_torch(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.d
 
 def _dequantize(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`packed` codes times `absmax` (fp32 [out, blocks]), all three ways bit-identical: inside a compiled graph,
-    qshard's Triton kernel on CUDA (nf4_triton.py) or else plain torch ops, which the compiler fuses into one kernel;
-    outside one, bitsandbytes' op."""
+    qshard's Triton kernel on CUDA for 16-bit outputs (nf4_triton.py) or else plain torch ops, which the compiler
+    fuses into one kernel; outside one, bitsandbytes' op."""
     if torch.compiler.is_compiling():
-        if nf4_triton.AVAILABLE and packed.is_cuda:
+        # fp32 (DoRA's weight norm) stays an expression the compiler can fuse into the norm's reduction.
+        if nf4_triton.AVAILABLE and packed.is_cuda and dtype != torch.float32:
             return nf4_triton.dequantize(packed.view(torch.uint8), absmax, _nf4_table(packed.device), dtype)
         return _dequantize_torch(packed, absmax, dtype)
     return _dequantize_bnb(packed, absmax, dtype)

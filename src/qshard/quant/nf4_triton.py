@@ -9,24 +9,28 @@ gets close to the device's write rate (docs/benchmarks.md, "NF4 dequantization k
 Bit-identical to the other two paths: the same fp32 level times the same fp32 scale, rounded once to the output
 dtype. Registered as a Triton custom op (`torch.library.triton_op`) so that compiled blocks call the kernel inside
 their graphs instead of breaking them. Compiled graphs only: called eagerly, the op's dispatch costs more host time
-per call than bitsandbytes' op, which eager blocks keep.
+per call than bitsandbytes' op, which eager blocks keep. Its costs: a launch per weight (the compiler's fused kernel
+was one per block), and a checkpointed block's backward runs it for the recompute and again for the input's
+gradient (the compiler does not merge two calls of a kernel the way it merged two equal expressions).
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-AVAILABLE = importlib.util.find_spec("triton") is not None
+try:  # an installed but broken Triton leaves qshard on its other two paths
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except Exception:
+    AVAILABLE = False
 
 # Packed bytes per program (two weights each) and its warps: the best of those tried on an H200.
 _BYTES_PER_PROGRAM = 1024
 _WARPS = 4
 
 if AVAILABLE:
-    import triton
-    import triton.language as tl
 
     @triton.jit
     def _dequantize_kernel(packed_ptr, absmax_ptr, table_ptr, out_ptr, n_bytes,
@@ -40,7 +44,9 @@ if AVAILABLE:
         low = tl.load(table_ptr + (byte & 15)) * scale
         weights = tl.interleave(high, low).to(out_ptr.dtype.element_ty)
         out = 2 * start + tl.arange(0, 2 * BLOCK)
-        tl.store(out_ptr + out, weights, mask=out < 2 * n_bytes)
+        # A weight is written where its byte was read. Not `out < 2 * n_bytes`: Triton passes an int below 2^31 as
+        # int32, and that product overflows from 2^30 bytes on (`out` is int64, so the shift is too).
+        tl.store(out_ptr + out, weights, mask=(out >> 1) < n_bytes)
 
     @torch.library.triton_op("qshard::nf4_dequantize", mutates_args=())
     def _nf4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
@@ -53,6 +59,7 @@ def _launch(kernel, packed: torch.Tensor, absmax: torch.Tensor, table: torch.Ten
     """Run `kernel` (the op's wrapped kernel; the bare one in Triton's interpreter, which the wrapper refuses on some
     torch versions) over every packed byte."""
     out_features, half_in = packed.shape
+    assert absmax.shape[0] == out_features and half_in % absmax.shape[1] == 0, (packed.shape, absmax.shape)
     out = torch.empty(out_features, 2 * half_in, dtype=dtype, device=packed.device)
     n_bytes = packed.numel()
     grid = (triton.cdiv(n_bytes, _BYTES_PER_PROGRAM),)
