@@ -60,6 +60,7 @@ def _launch(kernel, packed: torch.Tensor, absmax: torch.Tensor, table: torch.Ten
     torch versions) over every packed byte."""
     out_features, half_in = packed.shape
     assert absmax.shape[0] == out_features and half_in % absmax.shape[1] == 0, (packed.shape, absmax.shape)
+    assert packed.dtype == torch.uint8 and absmax.dtype == table.dtype == torch.float32 and table.numel() == 16
     out = torch.empty(out_features, 2 * half_in, dtype=dtype, device=packed.device)
     n_bytes = packed.numel()
     grid = (triton.cdiv(n_bytes, _BYTES_PER_PROGRAM),)
