@@ -291,7 +291,7 @@ def test_lora_blocks_on_one_device_are_used_in_place_and_train_as_in_units(tmp_p
     model_dir = tiny_models("llama")
 
     def run(name):
-        backend = {"compile": True, "compile_backend": "aot_eager"} if compiled else {}
+        backend = {"compile": True, "compile_backend": "aot_eager"} if compiled else {"compile": False}
         cfg = _run_config(model_dir, tmp_path / name, **backend)
         cfg.train.train_type, cfg.train.precision = train_type, precision
         try:
