@@ -199,6 +199,43 @@ def test_traced_checkpoint_keeps_the_narrowing_projections_and_computes_the_same
         torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("save_projections", [False, True])
+def test_traced_checkpoint_dequantizes_each_weight_once_in_backward(dist_env, tiny_models, monkeypatch,
+                                                                   save_projections):
+    """In the backward graph of a block checkpointed inside its compiled graph, each NF4 weight is dequantized
+    once, for the recomputed forward and the input's gradient both (`NF4Linear.in_traced_checkpoint`): 7 for a
+    Llama block, where saving the storage dequantized the weights the recompute needs a second time (13 without
+    kept projections: all but down_proj's again; 9 with them: gate's and up's). Counted in the graph aot_eager
+    runs: the nibble split `packed & 15` each dequantization in plain torch ops does once, or on a GPU the calls
+    of qshard's kernel (quant/nf4_triton.py). The block keeps no more for backward for it
+    (test_compiled_blocks_checkpoint_inside_their_graph)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_graphs = []
+
+    def keep_backward(gm, inputs):
+        backward_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm.forward), bw_compiler=keep_backward)
+    compile_fn = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw:
+                        compile_fn(fn, **{**kw, "backend": backend}))
+    model_dir = tiny_models("llama")
+    try:
+        model = _tiny_qlora(dist_env, model_dir, compile=True, compile_backend="aot_eager",
+                            ac_save_projections=save_projections)
+        batch = {"input_ids": torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(0))}
+        model(**batch, use_cache=False).logits.float().square().mean().backward()
+    finally:
+        torch._dynamo.reset()
+    assert len(backward_graphs) == 1  # both blocks run one graph
+    dequantizations = [n for n in backward_graphs[0].graph.nodes if n.target is torch.ops.aten.bitwise_and.Scalar
+                       or "nf4_dequantize" in str(n.target) or "triton_kernel_wrapper" in str(n.target)]
+    assert len(dequantizations) == 7, backward_graphs[0].graph
+
+
 def test_compiled_checkpointed_blocks_reuse_their_dropout_masks(dist_env, tiny_models):
     """LoRA dropout in a compiled, checkpointed block: backward must use the masks forward drew, not draw new
     ones when it recomputes the block. Same seed, same gradients as the compiled block without checkpointing.

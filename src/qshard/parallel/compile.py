@@ -25,6 +25,7 @@ from qshard.config import Config, ParallelConfig
 from qshard.parallel.checkpointing import traced_checkpoint
 from qshard.parallel.compile_cache import use_persistent_caches
 from qshard.parallel.tiling import compile_tiles
+from qshard.quant import QuantizedLinear
 
 log = logging.getLogger("qshard")
 
@@ -39,7 +40,8 @@ def compile_blocks(
     blocks: list[nn.Module], backend: str, checkpointed: list[nn.Module], save_projections: bool = False
 ) -> None:
     """Compile each block's forward; those in `checkpointed` with the checkpoint traced into the graph
-    (keeping the outputs of narrowing projections with `save_projections`). A tiled MLP breaks its block's graph:
+    (keeping the outputs of narrowing projections with `save_projections`), their quantized layers told so
+    (`QuantizedLinear.in_traced_checkpoint`). A tiled MLP breaks its block's graph:
     the tiling runs eagerly, one tile's MLP in a graph of its own (parallel/tiling.py, compile_tiles)."""
     options = INDUCTOR_OPTIONS if backend == "inductor" else None
     keep_graphs_cacheable()
@@ -47,7 +49,12 @@ def compile_blocks(
         quiet_traced_checkpoint_notice()
     chosen = {id(b) for b in checkpointed}
     for block in blocks:
-        forward = traced_checkpoint(block.forward, save_projections) if id(block) in chosen else block.forward
+        forward = block.forward
+        if id(block) in chosen:
+            forward = traced_checkpoint(forward, save_projections)
+            for module in block.modules():
+                if isinstance(module, QuantizedLinear):
+                    module.in_traced_checkpoint()
         block.forward = torch.compile(forward, backend=backend, options=options)
     compile_tiles(blocks, backend, options)
     first_block_shares_the_graph(blocks)

@@ -118,6 +118,12 @@ class QuantizedLinear(nn.Module):
         for name, tensor in self.quantize(weight).items():
             getattr(self, name).view(tensor.dtype).copy_(tensor)
 
+    def in_traced_checkpoint(self) -> None:
+        """Called once at build time on each layer of a block whose checkpoint is traced into its compiled graph
+        (parallel/compile.py, compile_blocks), where every op is recomputed in backward rather than kept: a method
+        may then have its matmul save the dense weight, which the backward graph dequantizes once for the
+        recomputed forward and the input's gradient both. By default nothing changes."""
+
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16, after: torch.Tensor | None = None
                            ) -> torch.Tensor:
         """The whole weight, dense, in `dtype`, wherever the storage is kept (gathered from its shards);

@@ -173,6 +173,31 @@ class _NF4Matmul(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
+class _NF4MatmulInTracedCheckpoint(torch.autograd.Function):
+    """`_NF4Matmul` for a layer of a block whose checkpoint is traced into its compiled graph
+    (`NF4Linear.in_traced_checkpoint`): it saves the dense weight for backward. The traced checkpoint keeps no
+    output of any op it does not have to (parallel/checkpointing.py), so the weight is not kept from forward to
+    backward: the backward graph dequantizes it once, and the recomputed forward and the input's gradient both use
+    that. Saving the storage instead dequantized it twice in backward, since the compiler merges two equal
+    expressions but not two calls of the dequantization kernel (quant/nf4_triton.py). Outside such a checkpoint
+    this would keep every layer's dense weight for backward: only layers inside one are switched to it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: NF4Linear, packed: torch.Tensor, scales: torch.Tensor,
+                row_scales: torch.Tensor | None) -> torch.Tensor:
+        weight = layer.dequantize(_gathered_storage(packed, scales, row_scales), x.dtype)
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            (weight,) = ctx.saved_tensors
+            grad_x = grad_out @ weight.to(grad_out.dtype)
+        return grad_x, None, None, None, None
+
+
 def _gathered_storage(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     return tuple(gathered(t) for t in tensors if t is not None)
 
@@ -185,6 +210,8 @@ class NF4Linear(QuantizedLinear):
     CARRIERS = {"packed": torch.bfloat16, "absmax": torch.float32}
     BITS = (4,)
     EXPERTS = True
+    # The matmul's autograd function; `in_traced_checkpoint` switches a layer to the one that saves the weight.
+    _matmul = _NF4Matmul
 
     def __init__(
         self,
@@ -231,12 +258,15 @@ class NF4Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offloaded is None:
             packed, scales, *row_scales = (getattr(self, name) for name in self.STORAGE)
-            y = _NF4Matmul.apply(x, self, packed, scales, row_scales[0] if row_scales else None)
+            y = self._matmul.apply(x, self, packed, scales, row_scales[0] if row_scales else None)
         else:  # saving the host tensors would be free, but backward must fetch them again anyway
             y = RefetchingMatmul.apply(x, self)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def in_traced_checkpoint(self) -> None:
+        self._matmul = _NF4MatmulInTracedCheckpoint
 
     def bits_per_weight(self) -> float:
         return 4 + 32 / self.blocksize
