@@ -15,7 +15,7 @@ from qshard.build import build_model
 from qshard.config import Config
 from qshard.data import IGNORE_INDEX
 from qshard.quant import quantize_nf4
-from qshard.quant.nf4 import dequantize_nf4, dequantize_nf4_torch
+from qshard.quant.nf4 import NF4Linear, dequantize_nf4, dequantize_nf4_torch
 from qshard.train.loss import ChunkedLoss, FullLogitsLoss, build_loss
 from qshard.train.run import run_training as train
 
@@ -205,20 +205,25 @@ def test_traced_checkpoint_dequantizes_each_weight_once_in_backward(dist_env, ti
     """In the backward graph of a block checkpointed inside its compiled graph, each NF4 weight is dequantized
     once, for the recomputed forward and the input's gradient both (`NF4Linear.in_traced_checkpoint`): 7 for a
     Llama block, where saving the storage dequantized the weights the recompute needs a second time (13 without
-    kept projections: all but down_proj's again; 9 with them: gate's and up's). Counted in the graph aot_eager
-    runs: the nibble split `packed & 15` each dequantization in plain torch ops does once, or on a GPU the calls
-    of qshard's kernel (quant/nf4_triton.py). The block keeps no more for backward for it
-    (test_compiled_blocks_checkpoint_inside_their_graph)."""
+    kept projections: all but down_proj's again; 9 with them: gate's and up's). Counted in the backward graph of
+    AOTAutograd's default partitioner, which merges no equal expressions, as nothing merges the GPU's kernel calls
+    (aot_eager's and inductor's partitioner merge the plain-torch expressions the CPU runs): the nibble split
+    `packed & 15` each dequantization in plain torch ops does once, or on a GPU the calls of qshard's kernel
+    (quant/nf4_triton.py). And no dense weight is kept from forward to backward: none of the forward graph's
+    outputs (what it saves) has a weight's shape. (tests/test_compile_graphs.py checks the same under inductor's
+    partitioner.)"""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    backward_graphs = []
+    forward_graphs, backward_graphs = [], []
 
-    def keep_backward(gm, inputs):
-        backward_graphs.append(gm)
-        return make_boxed_func(gm.forward)
+    def keeping(graphs):
+        def compiler(gm, inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
 
-    backend = aot_autograd(fw_compiler=lambda gm, inputs: make_boxed_func(gm.forward), bw_compiler=keep_backward)
+    backend = aot_autograd(fw_compiler=keeping(forward_graphs), bw_compiler=keeping(backward_graphs))
     compile_fn = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw:
                         compile_fn(fn, **{**kw, "backend": backend}))
@@ -230,10 +235,30 @@ def test_traced_checkpoint_dequantizes_each_weight_once_in_backward(dist_env, ti
         model(**batch, use_cache=False).logits.float().square().mean().backward()
     finally:
         torch._dynamo.reset()
-    assert len(backward_graphs) == 1  # both blocks run one graph
+    assert len(forward_graphs) == len(backward_graphs) == 1  # both blocks run one graph
     dequantizations = [n for n in backward_graphs[0].graph.nodes if n.target is torch.ops.aten.bitwise_and.Scalar
                        or "nf4_dequantize" in str(n.target) or "triton_kernel_wrapper" in str(n.target)]
     assert len(dequantizations) == 7, backward_graphs[0].graph
+    weight_shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, NF4Linear)}
+    (outputs,) = [n.args[0] for n in forward_graphs[0].graph.nodes if n.op == "output"]
+    # Computed tensors only: the graph's inputs it saves include the storage (down_proj's codes are [128, 128]).
+    saved = [tuple(o.meta["val"].shape) for o in outputs
+             if isinstance(o, torch.fx.Node) and o.op != "placeholder" and "val" in o.meta]
+    static = {shape for shape in saved if all(type(d) is int for d in shape)}  # the tokens' dimension may be symbolic
+    assert saved and not static & weight_shapes, saved
+
+
+def test_only_blocks_checkpointed_inside_their_graph_save_dense_weights(dist_env, tiny_models):
+    """With `parallel.ac_every 2` the second block is not checkpointed: its NF4 layers keep saving their storage
+    (a dense weight saved there would be kept from forward to backward), the first block's save the weight."""
+    from qshard.quant.nf4 import _NF4Matmul, _NF4MatmulInTracedCheckpoint
+
+    try:
+        model = _tiny_qlora(dist_env, tiny_models("llama"), compile=True, compile_backend="aot_eager", ac_every=2)
+    finally:
+        torch._dynamo.reset()
+    matmuls = [{m._matmul for m in block.modules() if isinstance(m, NF4Linear)} for block in model.model.layers]
+    assert matmuls == [{_NF4MatmulInTracedCheckpoint}, {_NF4Matmul}]
 
 
 def test_compiled_checkpointed_blocks_reuse_their_dropout_masks(dist_env, tiny_models):

@@ -76,6 +76,7 @@ def _same(a: dict, b: dict, exact: bool = True) -> None:
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
     assert len(a["params"]) == len(b["params"])
     for x, y in zip(a["params"], b["params"], strict=True):
+        # Three AdamW steps at lr 1e-2 amplify round-off: with transformers 5.24 a few of 2,048 moved 8.5e-6 apart.
         torch.testing.assert_close(x, y, rtol=1e-4, atol=2e-5)
 
 

@@ -46,6 +46,9 @@ MEASURED = [
     # tok/s and 26.27 GiB / 11,478 tok/s.
     (["--seq", "2048", "--parallel.compile", "true", "--train-type", "lora"], 18.53, 10954),
     (["--seq", "8192", "--batch-size", "2", "--parallel.compile", "true", "--train-type", "lora"], 25.81, 10402),
+    # The defaults, one dequantization per weight in a traced checkpoint's backward (2026-12-03, thirteenth session;
+    # predicted after: 9.27 GiB, 10,016 tok/s).
+    (["--seq", "2048"], 9.17, 10365),
     # examples/qlora-8b-fast.yaml's settings (2026-12-02, twelfth session; predicted after: 9.05 GiB, 9,971 tok/s).
     (["--seq", "2048", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true",
       "--model.embedding_on_host", "true"], 8.91, 11419),

@@ -117,7 +117,9 @@ def _narrowing_matmul(op, args) -> bool:
 
 class _RecomputePolicy:
     """Which ops a traced checkpoint keeps for backward. A module-level class, not a closure: the compiler's
-    cache pickles it with the graph it belongs to, and cannot pickle a local function."""
+    cache pickles it with the graph it belongs to, and cannot pickle a local function. The NF4 layers of these
+    blocks save their dense weights for backward (quant/nf4.py, `_NF4MatmulInTracedCheckpoint`) on the promise
+    that the dequantization is recomputed here, never kept: keeping it would keep every block's dense weights."""
 
     def __init__(self, save_projections: bool) -> None:
         self.save_projections = save_projections

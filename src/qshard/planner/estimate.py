@@ -115,8 +115,7 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
         parts = parts if parts is not None and sum(parts.values()) >= sum(rank_parts.values()) else rank_parts
     host_parts, loading = _host_parts(model, cfg, layouts[0], acts, shapes, machine)
     offloaded = sum(_kept_per_block(model, cfg, acts, shapes)) if cfg.parallel.activation_offload else 0.0
-    times = step_times(model, cfg, layouts[0], shapes, machine, offloaded,
-                       _traced(cfg, shapes) and cfg.parallel.ac_save_projections)
+    times = step_times(model, cfg, layouts[0], shapes, machine, offloaded, _traced(cfg, shapes))
     step = sum(times.values())
     tokens = shapes.step_tokens * cfg.train.grad_accum * world
     return Estimate(
@@ -193,7 +192,7 @@ def _gpu_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Bloc
         "AdamW state": 0 if sizes.on_host else sizes.optimizer,
     }
     parts["gathered blocks"] = _gathered(model, cfg, plans, shapes)
-    parts["dequantized weight"] = _largest_dequantized(model, shapes)
+    parts["dequantized weights"] = _dequantized_at_peak(model, cfg, shapes)
     dynamic = _activation_phases(model, cfg, plans, acts, shapes)
     parts.update(dynamic)
     parts["communication buffers"] = _comm_buffers(model, cfg, plans)
@@ -232,9 +231,22 @@ def _gathered_itemsize(plan: TensorPlan, cfg: Config, shapes: Shapes) -> int:
     return shapes.compute
 
 
-def _largest_dequantized(model: Skeleton, shapes: Shapes) -> float:
-    sizes = [m.in_features * m.out_features for m in model.model.modules() if isinstance(m, QuantizedLinear)]
-    return max(sizes, default=0) * shapes.compute
+def _dequantized_at_peak(model: Skeleton, cfg: Config, shapes: Shapes) -> float:
+    """Dense weights alive at once: the one a matmul dequantized; in the backward of an NF4 block checkpointed inside
+    its compiled graph, every weight the recompute reads, each alive until its input's gradient (quant/nf4.py,
+    _NF4MatmulInTracedCheckpoint): with kept projections the widening ones (gate, up), else taken as all of a
+    block's but its largest (for Llama that counts o_proj where down_proj is left out, 3% of a block apart)."""
+    blocks = [[m.in_features * m.out_features for m in b.modules() if isinstance(m, QuantizedLinear)]
+              for b in model.blocks]
+    largest = max((n for b in blocks for n in b), default=0)
+    if not (_traced(cfg, shapes) and cfg.quant.method == "nf4"):
+        return largest * shapes.compute
+    if cfg.parallel.ac_save_projections:
+        recomputed = [sum(m.in_features * m.out_features for m in b.modules()
+                          if isinstance(m, QuantizedLinear) and m.out_features > m.in_features) for b in model.blocks]
+    else:
+        recomputed = [sum(b) - max(b, default=0) for b in blocks]
+    return max([largest, *recomputed]) * shapes.compute
 
 
 def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: BlockActivations,

@@ -30,9 +30,10 @@ def head_trains(plans: list[TensorPlan]) -> bool:
 
 
 def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Shapes, machine: Machine,
-               offloaded_activations: float, kept_projections_traced: bool) -> dict[str, float]:
+               offloaded_activations: float, traced: bool) -> dict[str, float]:
     """Seconds per optimizer step, by part (their sum is the step). `offloaded_activations`: the bytes per
-    micro-batch activation offload moves out (and back); `kept_projections_traced`: ac_save_projections in effect."""
+    micro-batch activation offload moves out (and back); `traced`: blocks checkpointed inside their compiled graphs
+    (where ac_save_projections takes effect, and NF4 weights are dequantized once in backward)."""
     g, p = machine.gpu, cfg.parallel
     micro = cfg.train.grad_accum
     ckpt = len(checkpointed_blocks(model.blocks, p)) / max(shapes.blocks, 1)
@@ -49,7 +50,7 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     head = t * shapes.vocab * shapes.hidden * (2 * 3 + (2 if head_trains(plans) else 0))
     # Causal attention: QK^T and PV, half the matrix; backward about 2.5 forwards; once more if recomputed.
     recomputed_attention = ckpt
-    if kept_projections_traced:  # kept, not recomputed: the projections, attention
+    if traced and p.ac_save_projections:  # kept, not recomputed: the projections, attention
         matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
         recomputed_attention = 0.0
     if p.ac_keep_attention:  # the recompute takes the forward's attention (parallel/kept_attention.py)
@@ -63,7 +64,11 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     attention += extra * per_pass
     compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
         attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
-    dequant = quantized * (2 + ckpt + extra) * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
+    # Each quantized weight is dequantized in forward and backward, and again for a hooks checkpoint's recompute; a
+    # traced checkpoint's recompute shares backward's NF4 weights (quant/nf4.py, _NF4MatmulInTracedCheckpoint).
+    recomputed = 0.0 if traced and cfg.quant.method == "nf4" else ckpt
+    dequant = quantized * (2 + recomputed + extra) * (0.5 + 2 * shapes.compute) / (
+        g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
     gpu = (compute + dequant) * (1.0 if p.compile else hardware.EAGER_GPU_FACTOR)
     # Blocks used in place (their storage or adapters held in place; only the embedding and head are otherwise)
     # run as compiled graphs without a unit's hooks.

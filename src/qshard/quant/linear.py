@@ -120,7 +120,7 @@ class QuantizedLinear(nn.Module):
 
     def in_traced_checkpoint(self) -> None:
         """Called once at build time on each layer of a block whose checkpoint is traced into its compiled graph
-        (parallel/compile.py, compile_blocks), where every op is recomputed in backward rather than kept: a method
+        (parallel/compile.py, compile_blocks), where the dequantization is recomputed in backward, never kept: a method
         may then have its matmul save the dense weight, which the backward graph dequantizes once for the
         recomputed forward and the input's gradient both. By default nothing changes."""
 

@@ -10,8 +10,9 @@ Bit-identical to the other two paths: the same fp32 level times the same fp32 sc
 dtype. Registered as a Triton custom op (`torch.library.triton_op`) so that compiled blocks call the kernel inside
 their graphs instead of breaking them. Compiled graphs only: called eagerly, the op's dispatch costs more host time
 per call than bitsandbytes' op, which eager blocks keep. Its costs: a launch per weight (the compiler's fused kernel
-was one per block), and a checkpointed block's backward runs it for the recompute and again for the input's
-gradient (the compiler does not merge two calls of a kernel the way it merged two equal expressions).
+was one per block), and the compiler does not merge two calls of a kernel the way it merged two equal expressions:
+a block checkpointed by hooks runs it in backward for the recompute and again for the input's gradient (a block
+checkpointed inside its compiled graph once, through nf4.py's `_NF4MatmulInTracedCheckpoint`).
 """
 
 from __future__ import annotations
