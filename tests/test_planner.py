@@ -413,3 +413,29 @@ def test_long_context_predictions_are_near_the_h200_measurements(capsys, seq, ke
     found = _plan(capsys, *H200_8B, "--seq", str(seq), *TILED, "--parallel.ac_keep_attention", str(kept).lower())
     assert abs(found["peak_gpu_gib"] - peak) <= 0.13 * peak, found  # over by 9-12%: the working-set factor
     assert abs(found["tok_s"] - tok_s) <= 0.08 * tok_s, found
+
+
+def test_activation_probes_are_reused_only_for_the_same_model_and_dtype(monkeypatch):
+    """A probe (the whole model's forward on meta tensors) runs once per model as built and compute dtype in a
+    process: `--fit` estimates many settings of one skeleton. Another adapter rank or dtype probes again."""
+    import torch
+
+    from qshard.config import resolve
+    from qshard.planner import activations
+    from qshard.planner.command import compile_planned, plan_model
+
+    calls = []
+    probe = activations._probe
+    monkeypatch.setattr(activations, "_probe", lambda model, dtype: calls.append(dtype) or probe(model, dtype))
+    monkeypatch.setattr(activations, "_PROBED", {})
+
+    def probed(*options):
+        cfg = compile_planned(resolve(None, [("model.shape", "llama-tiny"), *options]), triton=True)
+        return activations.probe_activations(plan_model(cfg, 1), cfg)
+
+    first = probed()
+    assert probed() is first and len(calls) == 1
+    wider = probed(("lora.rank", "32"))
+    assert len(calls) == 2 and wider.projections != first.projections
+    probed(("train.precision", "fp32"))
+    assert calls[-1] == torch.float32 and len(calls) == 3

@@ -26,6 +26,10 @@ from qshard.quant import QuantizedLinear
 # Two lengths whose difference is the slope; long enough that no code path treats them as a decoding step.
 _PROBE_LENGTHS = (16, 32)
 _MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_masks_for_generate")
+# Probes already run in this process, by what decides their result (`_probe_key`): `qshard plan --fit` and a run's
+# fit check estimate many settings of one skeleton, and a probe runs the whole model's forward (seconds for 70B).
+_PROBED: dict[tuple, BlockActivations] = {}
+_PROBES_KEPT = 16
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -68,6 +72,22 @@ class BlockActivations:
 def probe_activations(model: Skeleton, cfg) -> BlockActivations:
     """The per-token activation bytes of `model` (a skeleton with its module swaps) as `cfg` trains it."""
     dtype = precision(cfg).compute
+    key = _probe_key(model, dtype)
+    if key not in _PROBED:
+        if len(_PROBED) >= _PROBES_KEPT:
+            _PROBED.pop(next(iter(_PROBED)))
+        _PROBED[key] = _probe(model, dtype)
+    return _PROBED[key]
+
+
+def _probe_key(model: Skeleton, dtype: torch.dtype) -> tuple:
+    """What a probe's result depends on: the model's configuration, its modules as built (classes, shapes, the
+    adapters' ranks: their printed form), which parameters train and in what dtype, and the compute dtype."""
+    params = tuple((n, p.dtype, p.requires_grad) for n, p in model.model.named_parameters())
+    return model.model.config.to_json_string(), repr(model.model), params, dtype
+
+
+def _probe(model: Skeleton, dtype: torch.dtype) -> BlockActivations:
     totals = [_saved_bytes(model, length, dtype) for length in _PROBE_LENGTHS]
     span = _PROBE_LENGTHS[1] - _PROBE_LENGTHS[0]
     per_block = [(b - a) / span for a, b in zip(totals[0][0], totals[1][0])]
