@@ -290,6 +290,11 @@ class ParallelConfig:
     # without a C compiler).
     compile: Literal["auto", True, False] = "auto"
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    # Replay each compiled block's kernels as CUDA graphs (inductor's CUDA graph trees): the host launches a
+    # block's forward or backward in one call instead of kernel by kernel, and the gaps between kernels close.
+    # Only for blocks checkpointed inside their compiled graph (one device, an adapter train type, no LoRA
+    # dropout; parallel/compile.py).
+    cuda_graphs: bool = False
     # Run each block's MLP this many tokens at a time, forward and (recomputing each tile) backward, so that
     # its [tokens, intermediate_size] activations exist for one tile only; 0: the whole sequence at once.
     mlp_tile_tokens: int = 0
@@ -635,6 +640,8 @@ class Config:
             unmet = checkpoint_trace_unmet(p, self.train.train_type, self.lora.dropout, p.nproc)
             if unmet:
                 raise QShardError(f"parallel.ac_save_projections: has no effect without {unmet[0]}")
+        if p.cuda_graphs:
+            self._validate_cuda_graphs()
         self._validate_mlp_tiles()
         self._validate_resident_blocks()
         if p.overlap_host_optimizer and not p.cpu_offload:
@@ -653,6 +660,25 @@ class Config:
                 f"parallel.replicate_degree: {p.replicate_degree} does not divide the {p.nproc} processes "
                 "(parallel.nproc) into equal shard groups"
             )
+
+    def _validate_cuda_graphs(self) -> None:
+        p = self.parallel
+        if p.compile is False or p.compile_backend != "inductor":
+            raise QShardError("parallel.cuda_graphs: replays the kernels inductor generates for compiled blocks; "
+                              "needs parallel.compile (true or auto) and parallel.compile_backend inductor")
+        # A block checkpointed by hooks replays its graph for the recompute while the outputs of the first replay
+        # are still in use, which CUDA graph trees refuse (docs/benchmarks-history.md); traced, it has no replay.
+        unmet = checkpoint_trace_unmet(p, self.train.train_type, self.lora.dropout, p.nproc)
+        if p.ac_reentrant:  # compile auto would not compile (parallel/compile.py, compile_choice)
+            unmet.insert(0, "parallel.ac_reentrant false")
+        if unmet:
+            raise QShardError(f"parallel.cuda_graphs: needs blocks checkpointed inside their compiled graphs, "
+                              f"which needs {unmet[0]}")
+        if p.activation_offload:
+            # Its copies to the host read saved tensors on a side stream; in a graph's memory pool those do not own
+            # their memory, so a later replay could overwrite one before its copy is done.
+            raise QShardError("parallel.cuda_graphs: not with parallel.activation_offload (its copies of the saved "
+                              "tensors could race the next graph replay); turn one of them off")
 
     def _validate_resident_blocks(self) -> None:
         p = self.parallel

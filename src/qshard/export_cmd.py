@@ -47,15 +47,20 @@ def run_export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None,
         shutdown()
 
 
+def reading_config(cfg: config_mod.Config) -> config_mod.Config:
+    """A run's config, to build its model for reading the weights back: how the run was sharded, offloaded or
+    compiled does not matter to that at this world size (a hybrid run's replica count need not divide it), and
+    export runs no forward to compile."""
+    cfg.parallel.sharding, cfg.parallel.replicate_degree, cfg.parallel.cpu_offload = "full", 0, False
+    cfg.parallel.compile, cfg.parallel.cuda_graphs = False, False
+    return cfg
+
+
 def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, max_shard_gib: float,
             env: DistEnv, base_name: str | None) -> Path:
     ckpt = find_checkpoint(run_dir, ckpt_arg)
     state = checkpoint.read_state(ckpt)
-    cfg = config_mod.resolve(str(ckpt / "config.yaml"), [])
-    # How the run was sharded, offloaded or compiled does not matter to reading its weights back at this world
-    # size (a hybrid run's replica count need not divide it), and export runs no forward to compile.
-    cfg.parallel.sharding, cfg.parallel.replicate_degree, cfg.parallel.cpu_offload = "full", 0, False
-    cfg.parallel.compile = False
+    cfg = reading_config(config_mod.resolve(str(ckpt / "config.yaml"), []))
     out = out or run_dir / kind
     _check_out(out, run_dir, ckpt, cfg)
     if _resolved(out) in _run_exports(run_dir) and not _belongs_to(ckpt, run_dir):

@@ -201,6 +201,7 @@ def _one_process_config(cfg: config_mod.Config) -> None:
     compile (every step of generation has another shape)."""
     cfg.parallel.sharding, cfg.parallel.replicate_degree, cfg.parallel.cpu_offload = "full", 0, False
     cfg.parallel.nproc, cfg.parallel.compile, cfg.parallel.activation_offload = 1, False, False
+    cfg.parallel.cuda_graphs = False
 
 
 def _no_template(option: str) -> QShardError:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
 from qshard.config import Config, ParallelConfig
+from qshard.errors import QShardError
 from qshard.parallel.checkpointing import traced_checkpoint
 from qshard.parallel.compile_cache import use_persistent_caches
 from qshard.parallel.tiling import compile_tiles
@@ -34,17 +36,25 @@ AUTO = "auto"
 # Inductor's options for the blocks. Combo kernels launch independent small kernels of a graph as one (the
 # casts of a block's fp32 LoRA weights to bf16, for one): fewer launches, where the step is bound by the host's.
 INDUCTOR_OPTIONS = {"combo_kernels": True}
+# parallel.cuda_graphs: inductor's CUDA graph trees, except for graphs of dynamic shapes (rows whose length changes
+# from batch to batch, generation), each of whose sizes would be recorded as a graph of its own; those run as
+# kernels launched one by one.
+CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
 
 
 def compile_blocks(
-    blocks: list[nn.Module], backend: str, checkpointed: list[nn.Module], save_projections: bool = False
+    blocks: list[nn.Module], backend: str, checkpointed: list[nn.Module], save_projections: bool = False,
+    cuda_graphs: bool = False,
 ) -> None:
     """Compile each block's forward; those in `checkpointed` with the checkpoint traced into the graph
     (keeping the outputs of narrowing projections with `save_projections`), their quantized layers told so
-    (`QuantizedLinear.in_traced_checkpoint`). A tiled MLP breaks its block's graph:
-    the tiling runs eagerly, one tile's MLP in a graph of its own (parallel/tiling.py, compile_tiles)."""
-    options = INDUCTOR_OPTIONS if backend == "inductor" else None
-    keep_graphs_cacheable()
+    (`QuantizedLinear.in_traced_checkpoint`), replayed as CUDA graphs with `cuda_graphs` (parallel.cuda_graphs:
+    `CUDA_GRAPH_OPTIONS`). A tiled MLP breaks its block's graph: the tiling runs eagerly, one tile's MLP in a graph
+    of its own (parallel/tiling.py, compile_tiles)."""
+    options = None
+    if backend == "inductor":
+        options = {**INDUCTOR_OPTIONS, **(CUDA_GRAPH_OPTIONS if cuda_graphs else {})}
+    keep_graphs_cacheable(graph_safe_rng=cuda_graphs)
     if checkpointed:
         quiet_traced_checkpoint_notice()
     chosen = {id(b) for b in checkpointed}
@@ -58,6 +68,32 @@ def compile_blocks(
         block.forward = torch.compile(forward, backend=backend, options=options)
     compile_tiles(blocks, backend, options)
     first_block_shares_the_graph(blocks)
+
+
+def check_cuda_graphs(parallel: ParallelConfig, device: torch.device, traced: int, checkpointed: int) -> None:
+    """parallel.cuda_graphs where this run cannot replay its blocks as CUDA graphs: one error at build time, once the
+    device, the compile decision and the world size are known (the config refuses what it can before)."""
+    if device.type != "cuda":
+        raise QShardError(f"parallel.cuda_graphs: needs a CUDA device; this run computes on {device.type}")
+    if not parallel.compile:
+        raise QShardError("parallel.cuda_graphs: parallel.compile auto did not compile the blocks here (see the log "
+                          "line above); set parallel.compile true, or leave cuda_graphs off")
+    if not checkpointed or traced < checkpointed:
+        raise QShardError(f"parallel.cuda_graphs: needs every checkpointed block checkpointed inside its compiled "
+                          f"graph; here {traced} of {checkpointed} are: only blocks used in place on one device are "
+                          "(not blocks in FSDP2 units, as with more than one process; the log line on blocks used in "
+                          "place says which)")
+
+
+def step_marker(parallel: ParallelConfig) -> Callable[[], None]:
+    """What each optimizer step and evaluation calls first: under parallel.cuda_graphs, torch's mark that a step
+    begins (the outputs of the last step's graph replays may be overwritten from then on, and no later); otherwise
+    nothing."""
+    return torch.compiler.cudagraph_mark_step_begin if parallel.cuda_graphs else _nothing
+
+
+def _nothing() -> None:
+    pass
 
 
 def first_block_shares_the_graph(blocks: list[nn.Module]) -> None:
@@ -119,13 +155,14 @@ def quiet_traced_checkpoint_notice() -> None:
         logger.addFilter(_DropMessage("Detected that context_fn is passed to torch.utils.checkpoint"))
 
 
-def keep_graphs_cacheable() -> None:
+def keep_graphs_cacheable(graph_safe_rng: bool = False) -> None:
     """Let torch's caches keep the blocks' compiled graphs, so that a later run loads them rather than compiles
     them again. Two settings of torch's stand in the way, each safe for qshard's blocks:
     - A block's graph holds random ops even without dropout (the attention kernel takes a dropout
       probability), which a traced checkpoint replays with their random state. Where torch cannot cache the
       wrapper it uses for that by default (the one CUDA graphs need, and qshard does not capture CUDA graphs),
-      use the other, which it can.
+      use the other, which it can; not under parallel.cuda_graphs (`graph_safe_rng`), whose graphs need the
+      default: the blocks' graphs are then compiled again in each run.
     - The graph of the autograd pass (AOTAutograd's cache, above inductor's) is cached only without custom
       autograd functions unless allowed. qshard's quantized matmuls are such functions; the compiler traces
       their forward and backward into the graph, which is what the cache is keyed on, and they keep no state
@@ -134,7 +171,7 @@ def keep_graphs_cacheable() -> None:
 
     graphsafe = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
     if graphsafe is not None and not graphsafe.cacheable():
-        torch._functorch.config.graphsafe_rng_functionalization = False
+        torch._functorch.config.graphsafe_rng_functionalization = graph_safe_rng
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
 
 

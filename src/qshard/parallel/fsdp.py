@@ -23,7 +23,7 @@ from qshard.config import Config, ParallelConfig, checkpoint_trace_unmet
 from qshard.errors import QShardError
 from qshard.host_embedding import host_modules
 from qshard.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
-from qshard.parallel.compile import compile_blocks
+from qshard.parallel.compile import check_cuda_graphs, compile_blocks
 from qshard.parallel.mesh import local_piece, shard_placements
 from qshard.parallel.offload import offload_policy
 from qshard.parallel.storage_offload import offload_quantized_storage
@@ -51,8 +51,10 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     traced = traced_blocks(blocks, in_place, mesh, parallel, cfg.train.train_type, cfg.lora.dropout)
     log_adapter_blocks_in_place(blocks, in_place, traced)
     apply_activation_checkpointing(model, blocks, parallel, traced)
+    if parallel.cuda_graphs:
+        check_cuda_graphs(parallel, compute_device(mesh), len(traced), len(checkpointed_blocks(blocks, parallel)))
     if parallel.compile:
-        compile_blocks(blocks, parallel.compile_backend, traced, parallel.ac_save_projections)
+        compile_blocks(blocks, parallel.compile_backend, traced, parallel.ac_save_projections, parallel.cuda_graphs)
     shard_blocks(blocks, quantized, in_place, mesh, parallel, prec, reshard_after_forward(parallel))
     kept = shard_embedding_and_head(model, mesh, parallel, prec)
     shard_root(model, [*in_place, *kept], mesh, parallel, prec)

@@ -17,6 +17,7 @@ from qshard.config import Config
 from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, for_epoch, input_tokens
 from qshard.host_embedding import HOST_ROWS, with_input_embeddings
 from qshard.models import shares_prompt
+from qshard.parallel.compile import step_marker
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
@@ -173,6 +174,10 @@ class Trainer:
         self.scaler = policy.grad_scaler(env.device)
         self.nan_policy = build_nan_policy(t.nan_policy, policy.loss_scaling, env.is_main)
         self.activation_offload = activation_offload(cfg, env.device)  # a context factory (or a no-op one)
+        # parallel.cuda_graphs: torch's mark that a step (or an evaluation) begins, for its CUDA graph trees. Once a
+        # step, not a micro-batch: the gradients the micro-batches add up are a backward graph's outputs, which a
+        # mark would let the next replay overwrite.
+        self.begin_step = step_marker(cfg.parallel)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.optim)
         # The optimizer's step and zero_grad: on this thread, or under parallel.overlap_host_optimizer (cpu_offload)
         # block by block in a host thread that the next forward waits for (train/host_step.py).
@@ -220,6 +225,7 @@ class Trainer:
         the optimizer on the host (parallel.overlap_host_optimizer: block by block under the next forward, see
         train/host_step.py), `train.nan_policy: skip_step` reads whether the loss and gradient norm are
         finite before the update, and transformers inspects the attention mask of a padded batch."""
+        self.begin_step()
         clock = StepClock(self.env.device)
         # Whether any rank has been asked to stop before this step began: `fit` reads it before leaving this step
         # queued behind the next, so a preemption saves no later than without queueing, but one step. Only where
@@ -451,6 +457,7 @@ class Trainer:
         collective): a token objective pads with zero-weight repeats, a preference one leaves padding out, and
         a rank left with none at the end runs a real example at weight 0."""
         self.update.wait()
+        self.begin_step()
         self.model.eval()
         n, world, mbs = len(self.eval_examples), self.env.world_size, self.cfg.train.micro_batch_size
         per_rank = math.ceil(n / world)
