@@ -58,6 +58,16 @@ def test_config_refuses_cuda_graphs_where_blocks_are_not_checkpointed_inside_the
     _config().validate()  # the defaults take it
 
 
+def test_the_dry_run_plan_names_it(tmp_path):
+    from qshard.train.plan import RunPlan
+
+    def parallel(cfg):
+        return RunPlan(cfg.validate(), None, 1, [], [], 1, 1, tmp_path)._parallel()
+
+    assert "compile auto, cuda_graphs" in parallel(_config())
+    assert "cuda_graphs" not in parallel(_config(cuda_graphs=False))
+
+
 @pytest.mark.skipif(CUDA, reason="the CPU's refusal; on a GPU the option runs (test below)")
 def test_build_on_the_cpu_refuses_it_in_one_line(dist_env, tiny_models):
     with pytest.raises(QShardError, match="parallel.cuda_graphs: needs a CUDA device; this run computes on cpu"):

@@ -106,8 +106,8 @@ class RunPlan:
                      else "no activation checkpointing")
         flags = [name for name, on in (
             ("compile", p.compile is True), ("compile auto", p.compile == "auto"),
-            ("ac_save_projections", p.ac_save_projections), ("cpu_offload", p.cpu_offload),
-            ("activation_offload", p.activation_offload)) if on]
+            ("ac_save_projections", p.ac_save_projections), ("cuda_graphs", p.cuda_graphs),
+            ("cpu_offload", p.cpu_offload), ("activation_offload", p.activation_offload)) if on]
         return ", ".join(parts + flags)
 
     def _batch(self) -> str:
