@@ -26,7 +26,7 @@ from qshard.build import build_model, load_tokenizer, resolve_model, training_to
 from qshard.checkpoint import base_fingerprint_all_ranks
 from qshard.errors import QShardError
 from qshard.export import DORA_MAGNITUDE, PEFT_PREFIX
-from qshard.export_cmd import find_checkpoint
+from qshard.export_cmd import find_checkpoint, reading_config
 from qshard.export_tokenizer import GENERATION_CONFIG, export_tokenizer, plain_text_run
 from qshard.hf_config import read_json_object
 from qshard.parallel.distributed import DistEnv, init_distributed, shutdown
@@ -199,9 +199,8 @@ def _chat(bot: Chatbot, sampling: Sampling) -> None:
 def _one_process_config(cfg: config_mod.Config) -> None:
     """Whatever the run was trained with, one process generates: no sharding across replicas, no offload, no
     compile (every step of generation has another shape)."""
-    cfg.parallel.sharding, cfg.parallel.replicate_degree, cfg.parallel.cpu_offload = "full", 0, False
-    cfg.parallel.nproc, cfg.parallel.compile, cfg.parallel.activation_offload = 1, False, False
-    cfg.parallel.cuda_graphs = False
+    reading_config(cfg)
+    cfg.parallel.nproc, cfg.parallel.activation_offload = 1, False
 
 
 def _no_template(option: str) -> QShardError:

@@ -236,16 +236,15 @@ def _dequantized_at_peak(model: Skeleton, cfg: Config, shapes: Shapes) -> float:
     its compiled graph, every weight the recompute reads, each alive until its input's gradient (quant/nf4.py,
     _NF4MatmulInTracedCheckpoint): with kept projections the widening ones (gate, up), else taken as all of a
     block's but its largest (for Llama that counts o_proj where down_proj is left out, 3% of a block apart)."""
-    blocks = [[m.in_features * m.out_features for m in b.modules() if isinstance(m, QuantizedLinear)]
+    blocks = [[(m.out_features, m.in_features) for m in b.modules() if isinstance(m, QuantizedLinear)]
               for b in model.blocks]
-    largest = max((n for b in blocks for n in b), default=0)
+    largest = max((o * i for b in blocks for o, i in b), default=0)
     if not (_traced(cfg, shapes) and cfg.quant.method == "nf4"):
         return largest * shapes.compute
     if cfg.parallel.ac_save_projections:
-        recomputed = [sum(m.in_features * m.out_features for m in b.modules()
-                          if isinstance(m, QuantizedLinear) and m.out_features > m.in_features) for b in model.blocks]
+        recomputed = [sum(o * i for o, i in b if o > i) for b in blocks]
     else:
-        recomputed = [sum(b) - max(b, default=0) for b in blocks]
+        recomputed = [sum(o * i for o, i in b) - max((o * i for o, i in b), default=0) for b in blocks]
     return max([largest, *recomputed]) * shapes.compute
 
 
