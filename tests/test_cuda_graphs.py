@@ -28,7 +28,7 @@ def _config(model_dir=None, out=None, **parallel) -> Config:
         cfg.data.path = str(resources.files("qshard") / "demo_data" / "train.jsonl")
         cfg.data.eval_fraction = 0.0
         cfg.data.max_length = 48
-        cfg.data.packing = True  # rows of one length: the blocks' graphs keep one shape
+        cfg.data.packing = True
         cfg.train.max_steps, cfg.train.micro_batch_size = 4, 2
     if out is not None:
         cfg.output.dir = str(out)
@@ -56,6 +56,62 @@ def test_config_refuses_cuda_graphs_where_blocks_are_not_checkpointed_inside_the
     with pytest.raises(QShardError, match=r"parallel.cuda_graphs: .*lora.dropout 0"):
         cfg.validate()
     _config().validate()  # the defaults take it
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_config_refuses_cuda_graphs_for_preference_pairs(objective):
+    cfg = _config()
+    cfg.train.objective = objective
+    with pytest.raises(QShardError, match=f"parallel.cuda_graphs: for train.objective sft only \\(not {objective}\\)"):
+        cfg.validate()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_micro_batches_are_padded_to_max_length_and_lose_nothing(dist_env, tiny_models, packed):
+    """Under cuda_graphs every micro-batch (training and held-out, the last held-out one of full size too) is padded
+    to data.max_length and goes without an attention mask (right padding: no real token sees it), one set of graph
+    inputs for the recorded graphs; the loss and its token counts are the unpadded batch's."""
+    from qshard.data import Example, input_tokens
+
+    model_dir = tiny_models("llama")
+    plain = _config(cuda_graphs=False).validate()
+    plain.data.max_length = 40
+    model, _ = build_model(plain, dist_env, model_dir)
+
+    def example(n):  # a packed row of two documents, or one plain example
+        ids = list(range(3, 3 + n))
+        return Example(ids, ids, list(range(n // 2)) + list(range(n - n // 2)) if packed else None)
+
+    examples = [example(n) for n in (9, 17, 12, 30, 21)]
+    padded = _config().validate()
+    padded.data.max_length = 40
+    losses = {}
+    for cfg, width in ((plain, 17), (padded, 40)):
+        cfg.train.micro_batch_size = 2
+        trainer = Trainer(cfg, dist_env, model, examples, examples, 0)
+        batch = trainer._collate([0, 1])
+        assert batch["input_ids"].shape == (2, width)
+        assert input_tokens(batch) == 9 + 17
+        if packed:  # the padding is one more document: positions restart where the row's tokens end
+            assert batch["position_ids"][0, 9:].tolist() == list(range(width - 9))
+        prepared = trainer._to_device(batch)
+        assert ("attention_mask" in prepared) is (width == 17 and not packed)
+        with torch.no_grad():
+            loss, _ = trainer.objective(model, prepared)
+        losses[width] = (loss.item(), trainer.objective.units(batch))
+        # The held-out set's last chunk (one of its five examples): two rows under fixed width, as wide as the rest
+        shapes, eval_batch = [], trainer._eval_batch
+
+        def seen(real, size, eval_batch=eval_batch, shapes=shapes):
+            batch = eval_batch(real, size)
+            shapes.append(tuple(batch["input_ids"].shape))
+            return batch
+
+        trainer._eval_batch = seen
+        trainer.evaluate()
+        assert shapes[-1] == ((2, 40) if width == 40 else (1, 21)), shapes
+    assert losses[40][1] == losses[17][1] == 9 - 1 + 17 - 1
+    assert losses[40][0] == pytest.approx(losses[17][0], rel=1e-5)
 
 
 def test_the_dry_run_plan_names_it(tmp_path):
@@ -98,8 +154,7 @@ def test_inductor_gets_the_cuda_graph_options_and_graph_safe_random_state(monkey
     assert functorch_config.graphsafe_rng_functionalization is cacheable
     calls.clear()
     compile_mod.compile_blocks(blocks, "inductor", [], cuda_graphs=True)
-    assert [c["options"] for c in calls] == [{"combo_kernels": True, "triton.cudagraphs": True,
-                                              "triton.cudagraph_skip_dynamic_graphs": True}] * 2
+    assert [c["options"] for c in calls] == [{"combo_kernels": True, "triton.cudagraphs": True}] * 2
     assert functorch_config.graphsafe_rng_functionalization is True
 
 
@@ -129,7 +184,10 @@ def test_trainer_marks_each_step_and_evaluation_begin(dist_env, tiny_models, mon
     plain = _config(cuda_graphs=False).validate()
     model, _ = build_model(plain, dist_env, model_dir)
     examples = [Example(list(range(3, 27)), list(range(3, 27))) for _ in range(8)]
-    for cfg, want in ((plain, 0), (_config().validate(), 4)):
+    plain.data.max_length = 32
+    graphs = _config().validate()
+    graphs.data.max_length = 32
+    for cfg, want in ((plain, 0), (graphs, 4)):
         cfg.train.grad_accum = 2
         trainer = Trainer(cfg, dist_env, model, examples, examples[:2], 0)
         marks.clear()
@@ -140,19 +198,33 @@ def test_trainer_marks_each_step_and_evaluation_begin(dist_env, tiny_models, mon
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
-def test_blocks_replayed_as_cuda_graphs_train_like_launched_ones(tiny_models, tmp_path):
+@pytest.mark.parametrize("variant", ["packed", "accumulated_and_evaluated", "unpacked"])
+def test_blocks_replayed_as_cuda_graphs_train_like_launched_ones(tiny_models, tmp_path, variant):
+    """The same losses with the blocks replayed as CUDA graphs as launched, rows of one width (packed); also with two
+    micro-batches a step (the gradients of the first survive the second's replay) and evaluations between steps
+    (their own step marks). Unpacked rows of many lengths are padded to data.max_length under the option: the blocks
+    compile one graph, never again for a new width, and train as the launched run of varying widths does, within
+    what bf16 kernels of other shapes (and attention with a mask, or without) give."""
     model_dir = tiny_models("llama")
     losses = {}
     for on in (False, True):
         out = tmp_path / str(on)
         counters = torch._dynamo.utils.counters
         counters.clear()
+        cfg = _config(model_dir, out, cuda_graphs=on)
+        if variant == "accumulated_and_evaluated":
+            cfg.train.grad_accum, cfg.train.eval_every, cfg.data.eval_fraction = 2, 2, 0.2
+        cfg.data.packing = variant != "unpacked"
         try:
-            run_training(_config(model_dir, out, cuda_graphs=on).validate())
-            # With the option every block graph was replayed as a CUDA graph: none skipped.
+            run_training(cfg.validate())
+            # With the option every block graph was replayed as a CUDA graph: none skipped; training compiled one
+            # graph (the blocks share it), evaluation one more.
             assert not on or not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+            evaluated = variant == "accumulated_and_evaluated"
+            assert not on or counters["stats"]["unique_graphs"] <= 1 + evaluated, dict(counters["stats"])
         finally:
             torch._dynamo.reset()
-        losses[on] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses[True]) == 4
-    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[on] = [r["loss"] for r in records] + [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(losses[True]) == (6 if evaluated else 4), losses[True]  # 4 steps, with evaluations at 2 and 4
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2 if variant == "unpacked" else 1e-3)

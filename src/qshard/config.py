@@ -293,7 +293,8 @@ class ParallelConfig:
     # Replay each compiled block's kernels as CUDA graphs (inductor's CUDA graph trees): the host launches a
     # block's forward or backward in one call instead of kernel by kernel, and the gaps between kernels close.
     # Only for blocks checkpointed inside their compiled graph (one device, an adapter train type, no LoRA
-    # dropout; parallel/compile.py).
+    # dropout; parallel/compile.py) and train.objective sft. Every micro-batch is padded to data.max_length (a
+    # graph is recorded per shape): for rows near that length, or packed.
     cuda_graphs: bool = False
     # Run each block's MLP this many tokens at a time, forward and (recomputing each tile) backward, so that
     # its [tokens, intermediate_size] activations exist for one tile only; 0: the whole sequence at once.
@@ -674,6 +675,11 @@ class Config:
         if unmet:
             raise QShardError(f"parallel.cuda_graphs: needs blocks checkpointed inside their compiled graphs, "
                               f"which needs {unmet[0]}")
+        if self.train.objective != "sft":
+            # Pairs come in rows of many widths, each of which would record the blocks' graphs again; sft rows are
+            # padded to data.max_length instead (train/loop.py).
+            raise QShardError(f"parallel.cuda_graphs: for train.objective sft only (not {self.train.objective}): "
+                              "preference pairs come in rows of varying width, each recorded as graphs of its own")
         if p.activation_offload:
             # Its copies to the host read saved tensors on a side stream; in a graph's memory pool those do not own
             # their memory, so a later replay could overwrite one before its copy is done.

@@ -108,15 +108,16 @@ def for_epoch(examples: Sequence[Example], epoch: int) -> Sequence[Example]:
     return examples.of_epoch(epoch) if hasattr(examples, "of_epoch") else examples
 
 
-def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a micro-batch to its longest example; padding is masked out of attention and loss.
+def collate(examples: list[Example], pad_id: int, width: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a micro-batch to its longest example (or to `width` tokens, if longer); padding is masked out of
+    attention and loss.
 
     Packed examples (with position_ids) give position_ids and no attention_mask: transformers then
     masks attention between the documents of a row. Their padding is one more document at the end of
     a row, which no real token can see under the causal mask, and `num_tokens` counts the real ones."""
     assert examples, "collate needs at least one example"
     packed = examples[0].position_ids is not None
-    width = max(len(e.input_ids) for e in examples)
+    width = max(width, *(len(e.input_ids) for e in examples))
     shape = (len(examples), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)

@@ -36,10 +36,11 @@ AUTO = "auto"
 # Inductor's options for the blocks. Combo kernels launch independent small kernels of a graph as one (the
 # casts of a block's fp32 LoRA weights to bf16, for one): fewer launches, where the step is bound by the host's.
 INDUCTOR_OPTIONS = {"combo_kernels": True}
-# parallel.cuda_graphs: inductor's CUDA graph trees, except for graphs of dynamic shapes (rows whose length changes
-# from batch to batch, generation), each of whose sizes would be recorded as a graph of its own; those run as
-# kernels launched one by one.
-CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+# parallel.cuda_graphs: inductor's CUDA graph trees. Each shape a block sees is recorded once, so the trainer pads
+# every micro-batch to data.max_length (train/loop.py); generation runs eagerly (train/samples.py). Not with
+# inductor's option to skip graphs of dynamic shapes: it splits static graphs too, into partitions whose inputs are
+# copied at every replay (docs/benchmarks-history.md).
+CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True}
 
 
 def compile_blocks(

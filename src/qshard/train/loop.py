@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -166,6 +167,14 @@ class Trainer:
             use_shared_prompt_attention()
         self.objective = (TokenObjective(self.loss_sum) if t.objective == "sft"
                           else PreferenceLoss(cfg, self.loss_sum, shared))
+        # How examples become a micro-batch. Under parallel.cuda_graphs (sft only, config.py) every one is padded to
+        # data.max_length: each new width would record the blocks' graphs again (seconds and device memory each).
+        # Such rows are right-padded, so under the causal mask no real token sees a padding one: they go without an
+        # attention mask (`_prepared`), and every batch reaches the blocks as the same graph inputs.
+        self.fixed_width = cfg.parallel.cuda_graphs
+        self.collate = self.objective.collate
+        if self.fixed_width:
+            self.collate = functools.partial(self.objective.collate, width=cfg.data.max_length)
         policy = precision(cfg)
         host_or_gpu = optimizer_device(cfg, env.device)  # where the optimizer steps and the gradients end up
         self.optimizer = build_optimizer(model, cfg.optim, host_or_gpu, policy.loss_scaling, cfg.lora.plus_lr_ratio)
@@ -467,7 +476,7 @@ class Trainer:
         for start in range(0, per_rank, mbs):
             chunk = mine[start : start + mbs]
             real = [i for i in chunk if i < n]
-            batch = self._eval_batch(real, len(chunk))
+            batch = self._eval_batch(real, mbs if self.fixed_width else len(chunk))  # one shape under fixed_width
             units += self.objective.units(batch) if real else 0
             loss, metric_sums = self.objective(self.model, self._to_device(batch))
             sums += torch.cat([loss.detach().reshape(1), metric_sums]) * (1.0 if real else 0.0)
@@ -490,7 +499,7 @@ class Trainer:
     # -----------------------------------------------------------------------------------------------------------
     def _collate(self, indices: list[int], examples: list[Example] | None = None) -> dict[str, torch.Tensor]:
         examples = self.train_examples if examples is None else examples
-        return self.objective.collate([examples[i] for i in indices], self.pad_id)
+        return self.collate([examples[i] for i in indices], self.pad_id)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch on the device (`_prepared`, its host embedding rows included)."""
@@ -502,13 +511,13 @@ class Trainer:
         flat positions the loss is computed at (from the labels as they are now: change them before, not after; a
         batch that names its targets, `loss_targets`, came with its positions), and no attention mask where
         nothing is padded (the causal mask alone is the same, and transformers would check the mask's values on
-        the device). Its tokens' host embedding rows (model.embedding_on_host) are looked up here and stay in
-        pinned host memory until `_rows_to_device`: a step's prepared micro-batches would otherwise hold all of
-        theirs on the GPU."""
+        the device), nor for rows padded to one width (`fixed_width`: right padding, which no real token sees). Its
+        tokens' host embedding rows (model.embedding_on_host) are looked up here and stay in pinned host memory until
+        `_rows_to_device`: a step's prepared micro-batches would otherwise hold all of theirs on the GPU."""
         batch = dict(batch)
         if "loss_targets" not in batch:
             batch["loss_positions"] = loss_positions(batch["labels"])
-        if "attention_mask" in batch and bool(batch["attention_mask"].all()):
+        if "attention_mask" in batch and (self.fixed_width or bool(batch["attention_mask"].all())):
             del batch["attention_mask"]
         batch = with_input_embeddings(self.model, batch)  # model.embedding_on_host: the rows, looked up here
         return {k: self._pinned(v) if k == HOST_ROWS else self._on_device(v) for k, v in batch.items()}
