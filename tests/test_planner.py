@@ -52,6 +52,9 @@ MEASURED = [
     # examples/qlora-8b-fast.yaml's settings (2026-12-02, twelfth session; predicted after: 9.05 GiB, 9,971 tok/s).
     (["--seq", "2048", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true",
       "--model.embedding_on_host", "true"], 8.91, 11419),
+    # The same with the blocks replayed as CUDA graphs (2026-12-03, fourteenth session).
+    (["--seq", "2048", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true",
+      "--model.embedding_on_host", "true", "--parallel.cuda_graphs", "true"], 8.95, 11560),
 ]
 
 

@@ -40,8 +40,9 @@ ATTENTION_EFFICIENCY = 0.53
 COPY_EFFICIENCY = 0.8
 # Host work per block per step, seconds: compiled blocks used in place (one GPU, quantized base) run a graph
 # each way; blocks in FSDP2 units (a bf16 base, several GPUs, offload) add their units' hooks and a hooks-based
-# checkpoint, and eager blocks launch every op. At 2,048 tokens an 8B LoRA or full step is bound by it.
-HOST_PER_BLOCK_S = {"graph": 0.002, "hooks": 0.0103}
+# checkpoint, and eager blocks launch every op. At 2,048 tokens an 8B LoRA or full step is bound by it. Blocks
+# replayed as CUDA graphs (parallel.cuda_graphs) launch one graph each way.
+HOST_PER_BLOCK_S = {"cuda_graph": 0.001, "graph": 0.002, "hooks": 0.0103}
 # The share of the smaller of host and GPU time that still shows in a step: kernels launched while the GPU has
 # run dry (a block's start, the waits between forward and backward).
 HOST_EXPOSED = 0.21
