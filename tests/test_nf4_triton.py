@@ -34,9 +34,9 @@ from qshard.quant.nf4 import (  # noqa: E402
 _INTERPRETED = textwrap.dedent("""
     import torch
     from qshard.quant import nf4_triton
-    from qshard.quant.nf4 import _dequantize_torch, _NF4_VALUES, quantize_nf4
+    from qshard.quant.nf4 import _dequantize_torch, _nf4_table, quantize_nf4
     torch.manual_seed(0)
-    table = _NF4_VALUES.float()
+    table = _nf4_table(torch.device("cpu"))
     for (rows, cols, blocksize) in [(3, 128, 64), (37, 320, 64), (5, 2048, 128), (1, 4096, 256), (16, 64, 64)]:
         packed, absmax = quantize_nf4(torch.randn(rows, cols) * 3, blocksize)
         absmax = absmax.view(torch.float32)

@@ -22,24 +22,33 @@ down to 2^-15.9 of the row's largest). Rows stay independent (one row's codes an
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 import torch.nn.functional as F
-from bitsandbytes import functional as bnbf
 
 from qshard.config import QuantConfig
 from qshard.quant import nf4_triton
 from qshard.quant.linear import QuantizedLinear, gathered
 from qshard.quant.matmul import RefetchingMatmul
 
-# The 16 NF4 levels (bitsandbytes' table, as fp32 values).
-_NF4_VALUES = bnbf.get_4bit_type("nf4", device="cpu")
+
+@functools.cache
+def _bitsandbytes() -> types.ModuleType:
+    """bitsandbytes' functional module (importing it registers its ops), imported where first used rather than with
+    qshard: its import compiles ops and takes seconds, which every process paid at start, those that never touch
+    an NF4 weight too (`qshard plan`, the launcher)."""
+    from bitsandbytes import functional
+
+    return functional
 
 
 def quantize_nf4(weight: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight on its device; return (packed uint8 [out, in/2], absmax bits int32 [out, in/bs])."""
     out_features, in_features = weight.shape
     assert in_features % blocksize == 0, "caller checks quantizability"
-    packed, state = bnbf.quantize_4bit(weight.contiguous(), blocksize=blocksize, quant_type="nf4")
+    packed, state = _bitsandbytes().quantize_4bit(weight.contiguous(), blocksize=blocksize, quant_type="nf4")
     absmax = state.absmax.to(torch.float32).view(torch.int32)
     return packed.view(out_features, in_features // 2), absmax.view(out_features, in_features // blocksize)
 
@@ -56,6 +65,7 @@ def _dequantize_bnb(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dty
     out_features, half_in = packed.shape
     in_features = half_in * 2
     blocksize = in_features // absmax.shape[1]
+    _bitsandbytes()  # its op registered
     return torch.ops.bitsandbytes.dequantize_4bit.default(
         packed.reshape(-1, 1), absmax.reshape(-1), blocksize, "nf4", [out_features, in_features], dtype
     )
@@ -92,7 +102,10 @@ def _on_device(tables: dict[torch.device, torch.Tensor], values: torch.Tensor, d
 @torch.compiler.assume_constant_result  # compiled graphs take the table as it is, one input for every call
 def _nf4_table(device: torch.device) -> torch.Tensor:
     """bitsandbytes' 16 NF4 levels (fp32) on `device`, made there once."""
-    return _on_device(_NF4_TABLES, _NF4_VALUES, device)
+    table = _NF4_TABLES.get(device)
+    if table is None:  # bitsandbytes' table, as fp32 values
+        table = _NF4_TABLES[device] = _bitsandbytes().get_4bit_type("nf4", device="cpu").to(device)
+    return table
 
 
 @torch.compiler.assume_constant_result
