@@ -49,7 +49,7 @@ MEASURED = [
     # The defaults, one dequantization per weight in a traced checkpoint's backward (2026-12-03, thirteenth session;
     # predicted after: 9.27 GiB, 10,016 tok/s).
     (["--seq", "2048"], 9.17, 10365),
-    # examples/qlora-8b-fast.yaml's settings (2026-12-02, twelfth session; predicted after: 9.05 GiB, 9,971 tok/s).
+    # examples/qlora-8b-fast.yaml's settings (2026-12-02, twelfth session; predicted now: 9.16 GiB, 10,384 tok/s).
     (["--seq", "2048", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true",
       "--model.embedding_on_host", "true"], 8.91, 11419),
     # The same with the blocks replayed as CUDA graphs (2026-12-03, fourteenth session).

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         check_installed(cfg.output.trackers)
         if cfg.parallel.nproc > 1 and not launcher.launched() and not args.dry_run:  # a dry run plans the ranks
             return launcher.launch(cfg.parallel.nproc, argv)
-        # Before the heavy imports: importing bitsandbytes already fixes inductor's cache directory.
+        # Before the heavy imports: importing torch's compiler stack (torch._dynamo) fixes inductor's cache directory.
         from qshard.parallel.compile_cache import use_persistent_caches
 
         use_persistent_caches()

@@ -37,8 +37,8 @@ from qshard.quant.matmul import RefetchingMatmul
 @functools.cache
 def _bitsandbytes() -> types.ModuleType:
     """bitsandbytes' functional module (importing it registers its ops), imported where first used rather than with
-    qshard: its import compiles ops and takes seconds, which every process paid at start, those that never touch
-    an NF4 weight too (`qshard plan`, the launcher)."""
+    qshard: its import takes time every process paid at start, those that never quantize or dequantize a weight
+    too (`qshard plan`, whose probes run on meta tensors, and the launcher)."""
     from bitsandbytes import functional
 
     return functional
@@ -155,7 +155,9 @@ def _dequantize_torch(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.d
 def _dequantize(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`packed` codes times `absmax` (fp32 [out, blocks]), all three ways bit-identical: inside a compiled graph,
     qshard's Triton kernel on CUDA for 16-bit outputs (nf4_triton.py) or else plain torch ops, which the compiler
-    fuses into one kernel; outside one, bitsandbytes' op."""
+    fuses into one kernel; outside one, bitsandbytes' op. Meta tensors (the planner's probes) only need the shape."""
+    if packed.is_meta:
+        return torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=dtype, device="meta")
     if torch.compiler.is_compiling():
         # fp32 (DoRA's weight norm) stays an expression the compiler can fuse into the norm's reduction.
         if nf4_triton.AVAILABLE and packed.is_cuda and dtype != torch.float32:
