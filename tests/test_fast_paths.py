@@ -87,6 +87,7 @@ def _run_config(model_dir, out, double_quant: bool = False, **parallel) -> Confi
     cfg.data.path = str(resources.files("qshard") / "demo_data" / "train.jsonl")
     cfg.data.eval_fraction = 0.0
     cfg.data.max_length = 48
+    cfg.data.packing = True  # rows of one width: compiled blocks trace once, not again for a dynamic width
     cfg.train.precision = "fp32"
     cfg.train.max_steps = 3
     cfg.train.micro_batch_size = 2
