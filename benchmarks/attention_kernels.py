@@ -15,23 +15,11 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from dequant_kernels import time_ms  # benchmarks/, on the path when run as a script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HEADS, HEAD_DIM = 32, 128
 BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
-
-
-def seconds(fn, iters: int) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
 
 
 def _forward(q, k, v) -> None:  # as a training forward calls it: with autograd recording
@@ -64,8 +52,8 @@ def main() -> None:
                 except RuntimeError as e:  # a backend this device or build lacks
                     print(f"| {seq:,} | {backend.name} | - | - | - | - | {str(e)[:80]} |")
                     continue
-                fwd = seconds(functools.partial(_forward, q, k, v), iters)
-                fwd_bwd = seconds(functools.partial(_both, q, k, v, grad), iters)
+                fwd = time_ms(functools.partial(_forward, q, k, v), iters) / 1e3
+                fwd_bwd = time_ms(functools.partial(_both, q, k, v, grad), iters) / 1e3
             diff = 0.0 if first is None else (out.float() - first).abs().max().item()
             first = out.float() if first is None else first
             print(f"| {seq:,} | {backend.name} | {fwd * 1e3:.3f} | {forward_flops / fwd / 1e12:.0f} | "

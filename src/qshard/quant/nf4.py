@@ -102,10 +102,12 @@ def _on_device(tables: dict[torch.device, torch.Tensor], values: torch.Tensor, d
 @torch.compiler.assume_constant_result  # compiled graphs take the table as it is, one input for every call
 def _nf4_table(device: torch.device) -> torch.Tensor:
     """bitsandbytes' 16 NF4 levels (fp32) on `device`, made there once."""
-    table = _NF4_TABLES.get(device)
-    if table is None:  # bitsandbytes' table, as fp32 values
-        table = _NF4_TABLES[device] = _bitsandbytes().get_4bit_type("nf4", device="cpu").to(device)
-    return table
+    return _on_device(_NF4_TABLES, _nf4_values(), device)
+
+
+@functools.cache
+def _nf4_values() -> torch.Tensor:
+    return _bitsandbytes().get_4bit_type("nf4", device="cpu")
 
 
 @torch.compiler.assume_constant_result
