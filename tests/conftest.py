@@ -56,9 +56,11 @@ def spawn(fn, args: tuple, nprocs: int = 2, join: bool = True):
     return mp.start_processes(_then_freeze, args=(fn, *args), nprocs=nprocs, join=join, start_method="forkserver")
 
 
-# What the fork server imports before it forks any rank: the modules every rank's work imports. Nothing here
-# may run a parallel region in the server (forked processes would inherit a dead OpenMP pool).
-FORKSERVER_PRELOAD = ["torch.distributed.checkpoint", "transformers", "qshard.train.run", "qshard.export"]
+# What the fork server imports before it forks any rank: the modules every rank's work imports (bitsandbytes too,
+# which qshard imports at its first quantization: ~3 s of CPU a process). Nothing here may run a parallel region in
+# the server (forked processes would inherit a dead OpenMP pool).
+FORKSERVER_PRELOAD = ["torch.distributed.checkpoint", "transformers", "bitsandbytes", "qshard.train.run",
+                      "qshard.export"]
 
 
 class RankRun(typing.NamedTuple):

@@ -39,6 +39,7 @@ def test_architecture_trains_and_exports(name, tiny_models, tmp_path, dist_env):
     model_dir = tiny_models(model_type, **overrides)
     cfg = _config(model_dir, tmp_path / "run", precision="fp32", steps=4)
     cfg.train.eval_every = 0
+    cfg.train.sample_every = None  # samples at the end: generation with each architecture's KV cache
     result = train(cfg, dist_env)
     summary = result.summary
     assert summary["steps"] == 4 and summary["eval_loss_end"] < summary["eval_loss_start"]

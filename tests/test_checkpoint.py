@@ -43,7 +43,7 @@ def _args(model_dir, out, *extra):
         "train", "--model", str(model_dir), "--data", str(DEMO / "train.jsonl"), "--eval-data",
         str(EVAL_DATA), "--output-dir", str(out), "--max-length", "48", "--batch-size", "2",
         "--lr", "1e-2", "--max-steps", str(STEPS), "--train.precision", "fp32", "--lora.dropout", "0.1",
-        *extra,
+        "--train.sample_every", "0", *extra,
     )
 
 

@@ -23,6 +23,7 @@ def _train(tmp_path, tiny_models, name, nproc, grad_accum, quant_sharding="fsdp"
         "--nproc", str(nproc), "--grad-accum", str(grad_accum), "--batch-size", "2",
         "--max-steps", "4", "--lr", "1e-2", "--train.precision", "fp32", "--data.max_length", "48",
         "--train.eval_every", "0", "--optim.warmup_steps", "0", "--parallel.quant_sharding", quant_sharding,
+        "--train.sample_every", "0",
     )
     if nproc == 1:
         # The same command in this process (qshard.cli.main, as `python -m qshard` calls it): a world of one

@@ -42,6 +42,7 @@ def _config(model_dir, out, eval_data, train_type="lora", **lora) -> Config:
     cfg.train.max_steps, cfg.train.micro_batch_size, cfg.optim.lr = 4, 2, 5e-3
     cfg.lora.rank, cfg.lora.alpha = 4, 8.0
     cfg.checkpoint.every_steps, cfg.checkpoint.async_save = 2, False
+    cfg.train.sample_every = 0
     cfg.output.dir = str(out)
     for key, value in lora.items():
         setattr(cfg.lora, key, value)

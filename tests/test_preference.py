@@ -440,6 +440,7 @@ def _pref_config(model_dir, tmp_path, out="run", objective="dpo", steps=8) -> Co
     cfg.train.objective, cfg.train.precision, cfg.train.max_steps = objective, "fp32", steps
     cfg.train.micro_batch_size, cfg.train.grad_accum = 4, 2
     cfg.optim.lr, cfg.optim.warmup_steps = 2e-2, 0
+    cfg.train.sample_every = 0  # samples: test_samples.py
     cfg.output.dir = str(tmp_path / out)
     return cfg.validate()
 
@@ -513,7 +514,8 @@ def test_world_size_2_and_a_resumed_run_match_one_uninterrupted_run(tiny_models,
         return ["train", "--model", cfg.model.path, "--data", cfg.data.path, "--eval-data", cfg.data.eval_path,
                 "--data.cache_dir", cfg.data.cache_dir, "--output-dir", str(tmp_path / out), "--train.objective",
                 "dpo", "--max-steps", "4", "--batch-size", "4", "--train.precision", "fp32", "--data.max_length",
-                "32", "--lr", "2e-2", "--optim.warmup_steps", "0", "--train.eval_every", "2", *extra]
+                "32", "--lr", "2e-2", "--optim.warmup_steps", "0", "--train.eval_every", "2",
+                "--train.sample_every", "0", *extra]
 
     def records(out):
         return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]

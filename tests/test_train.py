@@ -28,6 +28,7 @@ def _config(model_dir, out, train_type="qlora", steps=6, precision="bf16_mixed")
     cfg.train.max_steps = steps
     cfg.train.micro_batch_size = 4
     cfg.optim.lr = 1e-2
+    cfg.train.sample_every = 0  # samples: test_samples.py (test_architectures turns them on)
     cfg.output.dir = str(out)
     return cfg.validate()
 

@@ -34,6 +34,7 @@ def options(tmp_path_factory, tiny_models):
         ("train.max_steps", "3"),
         ("optim.lr", "1e-2"),
         ("optim.warmup_steps", "0"),
+        ("train.sample_every", "0"),  # samples: test_samples.py
     ]
 
 

@@ -169,6 +169,19 @@ def _block_index(model: Skeleton) -> dict[str, int]:
 _BLOCK_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _quantized_shapes(model: Skeleton) -> list[list[tuple[int, int]]]:
+    """Each block's quantized linears as (out, in), walked once per skeleton."""
+    found = _QUANTIZED_SHAPES.get(model.model)
+    if found is None:
+        found = _QUANTIZED_SHAPES[model.model] = [
+            [(m.out_features, m.in_features) for m in b.modules() if isinstance(m, QuantizedLinear)]
+            for b in model.blocks]
+    return found
+
+
+_QUANTIZED_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _walk_block_index(model: Skeleton) -> dict[str, int]:
     ids = {id(b): i for i, b in enumerate(model.blocks)}
     found = {}
@@ -236,8 +249,7 @@ def _dequantized_at_peak(model: Skeleton, cfg: Config, shapes: Shapes) -> float:
     its compiled graph, every weight the recompute reads, each alive until its input's gradient (quant/nf4.py,
     _NF4MatmulInTracedCheckpoint): with kept projections the widening ones (gate, up), else taken as all of a
     block's but its largest (for Llama that counts o_proj where down_proj is left out, 3% of a block apart)."""
-    blocks = [[(m.out_features, m.in_features) for m in b.modules() if isinstance(m, QuantizedLinear)]
-              for b in model.blocks]
+    blocks = _quantized_shapes(model)
     largest = max((o * i for b in blocks for o, i in b), default=0)
     if not (_traced(cfg, shapes) and cfg.quant.method == "nf4"):
         return largest * shapes.compute

@@ -11,6 +11,7 @@ unpadded; blocks used in place (one device) hold everything.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn as nn
@@ -43,22 +44,23 @@ class TensorPlan:
     on_host: bool  # cpu_offload: the shard (and gradient and optimizer state) lives in host memory; or the
     # embedding looked up on the host (model.embedding_on_host), whole, on every rank
 
-    @property
+    # Cached: a --fit search reads them for every tensor of every candidate it estimates.
+    @cached_property
     def row_bytes(self) -> int:
         rest = 1
         for size in self.full_shape[1:]:
             rest *= size
         return rest * self.dtype.itemsize
 
-    @property
+    @cached_property
     def local_bytes(self) -> int:
         return self.local_rows * self.row_bytes
 
-    @property
+    @cached_property
     def stored_bytes(self) -> int:
         return self.stored_rows * self.row_bytes
 
-    @property
+    @cached_property
     def full_bytes(self) -> int:
         return (self.full_shape[0] if self.full_shape else 1) * self.row_bytes
 

@@ -4,6 +4,7 @@ reductions over the GPU links, host <-> GPU copies for offload, and AdamW on the
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch.nn as nn
@@ -94,7 +95,18 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
 
 
 def _linear_params(model: Skeleton) -> tuple[int, int, int]:
-    """Weights of the blocks' matmuls: frozen, trained, and of those frozen the quantized ones."""
+    """Weights of the blocks' matmuls: frozen, trained, and of those frozen the quantized ones (counted once per
+    skeleton: a --fit search estimates one skeleton for every candidate)."""
+    found = _LINEAR_PARAMS.get(model.model)
+    if found is None:
+        found = _LINEAR_PARAMS[model.model] = _count_linear_params(model), _count_mlp_params(model)
+    return found[0]
+
+
+_LINEAR_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _count_linear_params(model: Skeleton) -> tuple[int, int, int]:
     frozen = trained = quantized = 0
     for block in model.blocks:
         for module in block.modules():
@@ -122,6 +134,11 @@ def extra_forwards(cfg: Config) -> int:
 
 def _mlp_params(model: Skeleton) -> int:
     """Weights of the matmuls inside the blocks' MLPs (their adapters' included)."""
+    _linear_params(model)
+    return _LINEAR_PARAMS[model.model][1]
+
+
+def _count_mlp_params(model: Skeleton) -> int:
     total = 0
     for block in model.blocks:
         mlp = getattr(block, "mlp", None)
