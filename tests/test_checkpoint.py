@@ -43,7 +43,7 @@ def _args(model_dir, out, *extra):
         "train", "--model", str(model_dir), "--data", str(DEMO / "train.jsonl"), "--eval-data",
         str(EVAL_DATA), "--output-dir", str(out), "--max-length", "48", "--batch-size", "2",
         "--lr", "1e-2", "--max-steps", str(STEPS), "--train.precision", "fp32", "--lora.dropout", "0.1",
-        "--train.sample_every", "0", *extra,
+        "--train.sample_every", "0", "--quant.double_quant", "false", *extra,  # fp32 scales: _dequantized_base
     )
 
 
@@ -268,7 +268,8 @@ def test_resume_refuses_another_quantized_base():
     from qshard.checkpoint import check_compatible
 
     saved = Config().to_dict()
-    del saved["quant"]["method"], saved["quant"]["bits"]  # as an older qshard saved it: nf4, 4 bits
+    # As an older qshard saved it: nf4, 4 bits, fp32 scales (double_quant was off before its auto).
+    del saved["quant"]["method"], saved["quant"]["bits"], saved["quant"]["double_quant"]
     state = {"base_fingerprint": "f", "config": saved}
     check_compatible(Path("ck"), state, Config(), "f")  # same base, same quantization
     cfg = Config()

@@ -28,7 +28,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     results = {}
     for train_type, how in RUNS:
         cfg = config_mod.resolve(None, [("model.path", model_dir), ("train.train_type", train_type),
-                                        ("parallel.quant_sharding", how), ("train.micro_batch_size", "1")])
+                                        ("parallel.quant_sharding", how), ("train.micro_batch_size", "1"),
+                                        ("quant.double_quant", "false")])  # the ratio below is for fp32 scales
         results[f"{train_type}:{how}"] = measure_train_step(cfg, env, model_dir, seq=32)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)

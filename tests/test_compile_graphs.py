@@ -27,6 +27,7 @@ def _tiny_qlora(dist_env, model_dir, compiled: bool, backend: str = "aot_eager",
     cfg = Config()
     cfg.lora.rank = 8
     cfg.train.precision = "fp32"
+    cfg.quant.double_quant = False  # two storage tensors a layer (codes, fp32 scales): the fetch counts below
     cfg.parallel.compile = compiled
     for name, value in parallel.items():
         setattr(cfg.parallel, name, value)

@@ -94,6 +94,7 @@ def _sharding_worker(rank: int, world: int, port: int, model_dir: str, result_di
     results = {}
     for how in QUANT_SHARDINGS:  # one model after the other in the same two processes
         cfg = Config()
+        cfg.quant.double_quant = False  # fp32 NF4 scales: the storage this test inspects (packed, absmax)
         cfg.train.train_type = "qlora"
         cfg.parallel.quant_sharding = how
         model, _ = build_model(cfg, env, model_dir)

@@ -35,7 +35,8 @@ def _args(inputs, out, *extra, max_steps=MAX_STEPS) -> list[str]:
             "--max-steps", str(max_steps), "--train.precision", "fp32", "--optim.schedule", "constant",
             "--lora.rank", "4", "--train.eval_every", str(EVERY),
             "--train.early_stopping_patience", str(PATIENCE), "--checkpoint.keep_best", "true",
-            "--checkpoint.keep_last", "1", "--train.sample_every", "0", *extra]
+            "--checkpoint.keep_last", "1", "--train.sample_every", "0",
+            "--quant.double_quant", "false", *extra]  # the losses the expected stops were chosen for
 
 
 def _train(inputs, out, *extra, max_steps=MAX_STEPS) -> int:

@@ -112,6 +112,13 @@ def _as_bin(model_dir, dest, shards: int):
     return dest
 
 
+def _fp32_scales() -> Config:
+    """The defaults with NF4's block scales in fp32 (packed, absmax), the storage _nf4_state reads."""
+    cfg = Config()
+    cfg.quant.double_quant = False
+    return cfg
+
+
 def test_formats_load_the_same_weights(tiny_models, tmp_path, dist_env):
     """Single and sharded safetensors and legacy .bin (single and sharded) give identical models; an fp32
     or fp16 checkpoint is quantized from its own values (not rounded through bf16 first)."""
@@ -119,7 +126,7 @@ def test_formats_load_the_same_weights(tiny_models, tmp_path, dist_env):
     from qshard.quant import quantize_nf4
 
     single = tiny_models("llama")
-    reference = _nf4_state(build_model(Config(), dist_env, single)[0])
+    reference = _nf4_state(build_model(_fp32_scales(), dist_env, single)[0])
     sharded = tmp_path / "sharded"
     write_tiny_model(sharded, "llama", num_hidden_layers=2)  # same seed: the same values
     tensors = load_file(sharded / "model.safetensors")
@@ -131,7 +138,7 @@ def test_formats_load_the_same_weights(tiny_models, tmp_path, dist_env):
         weight_map.update(dict.fromkeys(part, f"part{i}.safetensors"))
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     for model_dir in (sharded, _as_bin(single, tmp_path / "bin", 1), _as_bin(single, tmp_path / "bins", 3)):
-        state = _nf4_state(build_model(Config(), dist_env, model_dir)[0])
+        state = _nf4_state(build_model(_fp32_scales(), dist_env, model_dir)[0])
         assert state.keys() == reference.keys()
         for name in reference:
             assert torch.equal(state[name], reference[name]), (model_dir.name, name)
@@ -140,7 +147,7 @@ def test_formats_load_the_same_weights(tiny_models, tmp_path, dist_env):
         model_dir = tmp_path / str(dtype)
         write_random_checkpoint(model_dir, load_hf_config(single), dtype=dtype, std=0.2)
         assert Checkpoint(model_dir).dtype("model.layers.0.mlp.up_proj.weight") == dtype
-        model = build_model(Config(), dist_env, model_dir)[0]
+        model = build_model(_fp32_scales(), dist_env, model_dir)[0]
         weight = Checkpoint(model_dir).read("model.layers.0.mlp.up_proj.weight")
         packed, absmax = quantize_nf4(weight, 64)
         up = model.model.layers[0].mlp.up_proj.base

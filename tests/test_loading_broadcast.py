@@ -28,6 +28,7 @@ def _train_worker(rank: int, world: int, port: int, model_dir: str, tmp: str) ->
         assert not os.path.exists(model_dir)
     cfg = _config(model_dir, f"{tmp}/run", steps=2)
     cfg.model.load_mode = "broadcast"
+    cfg.quant.double_quant = False  # the shards compared below: codes and fp32 scales
     cfg.data.cache_dir = f"{tmp}/cache"
     cfg.train.eval_every = 0
     env = init_distributed()

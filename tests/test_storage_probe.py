@@ -16,12 +16,13 @@ from conftest import LogLines, free_port, spawn
 
 STEPS = 2
 OFFLOADED_GRAD_OP = [("quant.method", "hqq"), ("parallel.cpu_offload", "true"), ("parallel.sharding", "grad_op")]
+FP32_SCALES = ("quant.double_quant", "false")  # NF4 with its block scales as bitsandbytes keeps them
 RUNS = {
     # name: (storage held as integers, config overrides)
-    "nf4-int": (True, []),
-    "nf4-carriers": (False, []),
+    "nf4-int": (True, [FP32_SCALES]),
+    "nf4-carriers": (False, [FP32_SCALES]),
     # Hybrid sharding: 2 replicas of 1 rank (FSDP2's 2-D mesh; the storage gathered over a shard group of 1).
-    "nf4-int-hybrid": (True, [("parallel.sharding", "hybrid"), ("parallel.replicate_degree", "2")]),
+    "nf4-int-hybrid": (True, [FP32_SCALES, ("parallel.sharding", "hybrid"), ("parallel.replicate_degree", "2")]),
     # HQQ under FSDP2's CPU offload and grad_op sharding (no reshard after forward); the integer storage in
     # compiled blocks too (the carriers compiled are another graph to compile: ~9 s more).
     "hqq-int-compiled-offload-grad_op": (True, [
@@ -126,7 +127,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         del result
 
     # Broken copy paths, each refused at build time (before any weight is read).
-    cfg = config_mod.resolve(None, _options(model_dir, f"{out}/broken", []))
+    cfg = config_mod.resolve(None, _options(model_dir, f"{out}/broken", [FP32_SCALES]))
     use_carriers(True)
     unit_policy = getattr(fsdp, "storage_unit_policy", None)
     fsdp.storage_unit_policy = lambda mp: MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # a unit that casts

@@ -111,7 +111,9 @@ def test_qlora_dtypes(tiny_models, tmp_path, dist_env):
     """fp32 master weights and optimizer state for the adapters; frozen base bf16; NF4 storage in its integer
     dtypes, since at world size 1 the blocks are used in place, with no FSDP2 unit to carry it in floats
     (the multi-rank tests check the carriers)."""
-    result = train(_config(tiny_models("llama"), tmp_path / "run", steps=1), dist_env)
+    cfg = _config(tiny_models("llama"), tmp_path / "run", steps=1)
+    cfg.quant.double_quant = False  # the fp32-scale storage (packed, absmax); test_train_types trains the other
+    result = train(cfg, dist_env)
     for name, p in result.model.named_parameters():
         if "lora_" in name:
             assert p.requires_grad and p.dtype == torch.float32, name

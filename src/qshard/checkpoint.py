@@ -66,6 +66,10 @@ SHAPE_KEYS = ("train.train_type", "lora.rank", "lora.target_modules", "quant.met
               "lora.modules_to_save", "data.add_special_tokens")
 # With PiSSA/OLoRA the base keeps W - scaling B0 A0, so the scaling is part of the base the adapters trained on.
 FROM_BASE_KEYS = ("lora.alpha", "lora.use_rslora")
+# Of those, the ones whose `auto` takes the checkpoint's value, each with the value it had in an older qshard's
+# checkpoint that did not save it: a run resumes as it was trained, whatever auto chooses now (double_quant was
+# off before its auto).
+SAVED_AUTO_KEYS = {"quant.double_quant": False}
 
 _SD_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 
@@ -311,6 +315,16 @@ def _checked_metadata(path: Path, state: dict) -> Metadata:
     return metadata
 
 
+def follow_saved_autos(cfg: Config, state: dict) -> None:
+    """Options left to `auto` (SAVED_AUTO_KEYS) set to the values the checkpoint of `state` was trained with."""
+    saved = state.get("config", {})
+    for key, before in SAVED_AUTO_KEYS.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) == "auto":
+            setattr(getattr(cfg, section), name, saved.get(section, {}).get(name, before))
+    cfg.settle_autos()
+
+
 def check_compatible(path: Path, state: dict, cfg: Config, fingerprint: str) -> None:
     """Refuse a checkpoint of another base model, or one whose tensors the current options cannot hold."""
     if state.get("base_fingerprint") != fingerprint:
@@ -324,7 +338,10 @@ def check_compatible(path: Path, state: dict, cfg: Config, fingerprint: str) -> 
     for key in SHAPE_KEYS + (FROM_BASE_KEYS if cfg.lora.init != "default" else ()):
         section, name = key.split(".")
         # A key that an older qshard did not save had its default value then.
-        old, new = saved.get(section, {}).get(name, defaults[section][name]), current[section][name]
+        old = saved.get(section, {}).get(name, SAVED_AUTO_KEYS.get(key, defaults[section][name]))
+        new = current[section][name]
+        if key in SAVED_AUTO_KEYS and "auto" in (old, new):  # one follows the other (follow_saved_autos)
+            continue
         if old != new:
             raise QShardError(f"{path}: saved with {key}={old!r}, but this run has {key}={new!r}")
 

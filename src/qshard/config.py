@@ -107,8 +107,13 @@ class QuantConfig:
     # How many consecutive weights of a row share one scale (NF4's absmax; HQQ's scale and zero).
     blocksize: Literal[64, 128, 256] = 64
     # NF4 only: each block's absmax kept as one byte under its row's largest (double quantization): 4.13 instead
-    # of 4.5 bits per weight at blocksize 64 and 4,096 inputs, 8% less memory and host-to-GPU traffic for the base.
-    double_quant: bool = False
+    # of 4.5 bits per weight at blocksize 64 and 4,096 inputs, 8% less memory and host-to-GPU traffic for the base,
+    # and less for each dequantization to read. auto: on for an NF4 base; a resumed run keeps its checkpoint's.
+    double_quant: Literal["auto", True, False] = "auto"
+
+    def double_quantized(self) -> bool:
+        """Whether an NF4 base built with these options keeps its block scales in a byte (auto: yes)."""
+        return self.method == "nf4" and self.double_quant is not False
 
 
 @dataclass
@@ -386,6 +391,14 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def settle_autos(self) -> Config:
+        """The `auto` values a run decides from its own options, as it starts (after a checkpoint being resumed
+        gave its own: checkpoint.follow_saved_autos), so that its config.yaml and checkpoints say what ran."""
+        q = self.quant
+        if q.double_quant == "auto":
+            q.double_quant = self.train.train_type in QUANTIZED_TRAIN_TYPES and q.double_quantized()
+        return self
+
     def validate(self) -> Config:
         """Check values that types alone cannot; raise QShardError naming the option."""
         _positive("lora.rank", self.lora.rank)
@@ -586,10 +599,10 @@ class Config:
             raise QShardError(f"quant.method must be one of {', '.join(QUANT_BITS)}, got {q.method!r}")
         if q.bits not in QUANT_BITS[q.method]:
             raise QShardError(f"quant.bits: {q.method} {_bits_taken(q.method)}, got {q.bits}{_bits_elsewhere(q)}")
-        if q.double_quant and q.method != "nf4":
+        if q.double_quant is True and q.method != "nf4":
             raise QShardError(f"quant.double_quant: compresses NF4's block scales; quant.method {q.method} keeps its "
                               "own, so set quant.method nf4 or quant.double_quant false")
-        if q.double_quant and train_type not in QUANTIZED_TRAIN_TYPES:
+        if q.double_quant is True and train_type not in QUANTIZED_TRAIN_TYPES:
             raise QShardError(f"quant.double_quant: has no effect with train.train_type {train_type}, which keeps "
                               "the base unquantized; use qlora or qdora")
         if q.method != QuantConfig.method and train_type not in QUANTIZED_TRAIN_TYPES:

@@ -74,6 +74,7 @@ def _export(kind: str, run_dir: Path, ckpt_arg: str | None, out: Path | None, ma
     name, revision = _base_reference(cfg, state.get("base_commit"), base_name)
     # A Hub base is read at the commit the checkpoint was trained from (from the cache, where training put it).
     model_dir, _ = resolve_model(cfg, env, state.get("base_commit"))
+    checkpoint.follow_saved_autos(cfg, state)
     checkpoint.check_compatible(ckpt, state, cfg, base_fingerprint_all_ranks(cfg, env, model_dir))
     tokenizer = export_tokenizer(cfg, training_tokenizer(cfg, model_dir), model_dir)  # its errors before the build
     vocab_size = state.get("vocab_size")  # the rows the run's embedding had (data.add_special_tokens may add some)
@@ -168,7 +169,8 @@ def _differing_key(saved: dict, reference: dict) -> str | None:
 
 def _get(config: dict, section: str, name: str):
     """A saved option's value; one that an older qshard did not save had its default value then."""
-    default, values = config_mod.Config().to_dict()[section][name], config.get(section)
+    default = checkpoint.SAVED_AUTO_KEYS.get(f"{section}.{name}", config_mod.Config().to_dict()[section][name])
+    values = config.get(section)
     return values.get(name, default) if isinstance(values, dict) else default
 
 

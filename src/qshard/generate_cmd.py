@@ -219,6 +219,7 @@ def _from_run(run_dir: Path, ckpt_arg: str | None, env: DistEnv, chat: bool) -> 
         raise _no_template(f"the run {run_dir}")
     _one_process_config(cfg)
     model_dir, _ = resolve_model(cfg, env, state.get("base_commit"))
+    checkpoint.follow_saved_autos(cfg, state)
     checkpoint.check_compatible(ckpt, state, cfg, base_fingerprint_all_ranks(cfg, env, model_dir))
     tokenizer = export_tokenizer(cfg, training_tokenizer(cfg, model_dir), model_dir)
     model, _ = build_model(cfg, env, model_dir, state.get("vocab_size"))

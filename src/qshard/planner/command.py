@@ -67,13 +67,14 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
 
 
 def _search(model: Skeleton, cfg: Config, machine: Machine, seq: int, top: int, model_dir: Path | None = None,
-            vocab_size: int | None = None) -> tuple[list[Candidate], Candidate]:
-    """`search`; where nothing searched fits over an NF4 base with fp32 scales, the same search with
-    quant.double_quant (an 8% smaller base, in GPU or host memory) and, if any of it fits, those settings instead,
-    the option among their flags."""
+            vocab_size: int | None = None, offer_double_quant: bool = True) -> tuple[list[Candidate], Candidate]:
+    """`search`; where nothing searched fits over an NF4 base with fp32 scales (`quant.double_quant false`), and
+    `offer_double_quant`, the same search with quant.double_quant (an 8% smaller base, in GPU or host memory) and,
+    if any of it fits, those settings instead, the option among their flags."""
     fitting, smallest = search(model, cfg, machine, seq, top)
     q = cfg.quant
-    if fitting or q.double_quant or q.method != "nf4" or cfg.train.train_type not in QUANTIZED_TRAIN_TYPES:
+    if (fitting or not offer_double_quant or q.double_quantized() or q.method != "nf4"
+            or cfg.train.train_type not in QUANTIZED_TRAIN_TYPES):
         return fitting, smallest
     compressed = copy.deepcopy(cfg)
     compressed.quant.double_quant = True
@@ -182,7 +183,10 @@ def _guarded(predict):
 def _auto_fit(cfg: Config, machine: Machine, model_dir: Path | None, vocab_size: int | None) -> list:
     """The fastest setting predicted to fit (or the smallest peak), as (dotted key, value) overrides; logged."""
     model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
-    fitting, smallest = _search(model, compile_planned(cfg), machine, cfg.data.max_length, 1, model_dir, vocab_size)
+    # fp32 scales here were chosen (by the user, or by the checkpoint being resumed, whose adapters trained on that
+    # base): the settings applied leave the base as it is.
+    fitting, smallest = _search(model, compile_planned(cfg), machine, cfg.data.max_length, 1, model_dir, vocab_size,
+                                offer_double_quant=False)
     chosen = fitting[0] if fitting else smallest
     fit = "predicted to fit" if fitting else "the smallest predicted peak, still over the GPU's memory"
     log.info("--auto-fit: %s (%s: %.2f GiB per GPU, %.0f tok/s)", chosen.flags(), fit,

@@ -260,7 +260,7 @@ class NF4Linear(QuantizedLinear):
     @classmethod
     def from_config(cls, in_features: int, out_features: int, bias: bool, quant: QuantConfig,
                     bias_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> NF4Linear:
-        layer = NF4DoubleQuantLinear if quant.double_quant else cls
+        layer = NF4DoubleQuantLinear if quant.double_quantized() else cls
         return layer(in_features, out_features, bias, quant.blocksize, bias_dtype=bias_dtype, device=device)
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:

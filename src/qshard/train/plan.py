@@ -65,7 +65,7 @@ class RunPlan:
         if cfg.train.train_type in QUANTIZED_TRAIN_TYPES:
             q = cfg.quant
             kept = f", {len(report.kept)} kept unquantized" if report.kept else ""
-            scales = ", double-quantized scales" if q.double_quant else ""
+            scales = ", double-quantized scales" if q.double_quantized() else ""
             parts.append(f"{q.method.upper()} {q.bits}-bit (blocksize {q.blocksize}{scales}) frozen base on "
                          f"{len(report.quantized)} block modules{kept}")
         if report.adapted:

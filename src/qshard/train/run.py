@@ -151,6 +151,7 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False, auto_fit: bool = Fal
         started = time.perf_counter()
         prompts = read_prompts(cfg.train)  # before anything is loaded: an unreadable file is one line
         resume = _resume_from(cfg, out)
+        cfg.settle_autos()
         inputs = _inputs(cfg, env, out, _trained_commit(cfg, resume), Path(demo_home) if demo_home else None,
                          weights=not dry_run)
         _check_resume(cfg, env, resume, inputs.model_dir)
@@ -225,7 +226,9 @@ def _resume_from(cfg: Config, out: Path) -> _Resume:
     path = checkpoint.resolve_resume(cfg, out)
     if path is None:
         return _Resume()
-    return _Resume(path, checkpoint.read_state(path), continuing=_continues(cfg, out))
+    state = checkpoint.read_state(path)
+    checkpoint.follow_saved_autos(cfg, state)
+    return _Resume(path, state, continuing=_continues(cfg, out))
 
 
 def _trained_commit(cfg: Config, resume: _Resume) -> str | None:
