@@ -107,8 +107,8 @@ class QuantConfig:
     # How many consecutive weights of a row share one scale (NF4's absmax; HQQ's scale and zero).
     blocksize: Literal[64, 128, 256] = 64
     # NF4 only: each block's absmax kept as one byte under its row's largest (double quantization): 4.13 instead
-    # of 4.5 bits per weight at blocksize 64 and 4,096 inputs, 8% less memory and host-to-GPU traffic for the base,
-    # and less for each dequantization to read. auto: on for an NF4 base; a resumed run keeps its checkpoint's.
+    # of 4.5 bits per weight at blocksize 64 and 4,096 inputs, 8% less memory and host-to-GPU traffic for the base.
+    # auto: on for an NF4 base (qlora, qdora), off otherwise; a resumed run keeps its checkpoint's.
     double_quant: Literal["auto", True, False] = "auto"
 
     def double_quantized(self) -> bool:
