@@ -322,7 +322,6 @@ def follow_saved_autos(cfg: Config, state: dict) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) == "auto":
             setattr(getattr(cfg, section), name, saved.get(section, {}).get(name, before))
-    cfg.settle_autos()
 
 
 def check_compatible(path: Path, state: dict, cfg: Config, fingerprint: str) -> None:

@@ -393,7 +393,8 @@ class Config:
 
     def settle_autos(self) -> Config:
         """The `auto` values a run decides from its own options, as it starts (after a checkpoint being resumed
-        gave its own: checkpoint.follow_saved_autos), so that its config.yaml and checkpoints say what ran."""
+        gave its own: checkpoint.follow_saved_autos), so that its config.yaml and checkpoints say what ran. Until
+        then `auto` reads as its choice where it matters (QuantConfig.double_quantized)."""
         q = self.quant
         if q.double_quant == "auto":
             q.double_quant = self.train.train_type in QUANTIZED_TRAIN_TYPES and q.double_quantized()

@@ -4,7 +4,6 @@ activations the skeleton saves (activations.py); the constants that are not size
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 from qshard.build import Skeleton, random_init
@@ -15,7 +14,7 @@ from qshard.parallel.checkpointing import checkpointed_blocks
 from qshard.parallel.fsdp import reshard_after_forward
 from qshard.planner.activations import BlockActivations, probe_activations
 from qshard.planner.hardware import Machine
-from qshard.planner.layout import TensorPlan, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
+from qshard.planner.layout import TensorPlan, per_skeleton, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
 from qshard.planner.speed import extra_forwards, head_trains, step_times
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
@@ -158,28 +157,18 @@ class Shapes:
 
 
 def _block_index(model: Skeleton) -> dict[str, int]:
-    """Parameter name -> its block's index (names outside blocks are absent); walked once per model (--fit
-    estimates hundreds of settings of one model, and the walk was most of their time)."""
-    found = _BLOCK_INDEX.get(model.model)
-    if found is None:
-        found = _BLOCK_INDEX[model.model] = _walk_block_index(model)
-    return found
-
-
-_BLOCK_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    """Parameter name -> its block's index (names outside blocks are absent)."""
+    return per_skeleton(_walk_block_index, model)
 
 
 def _quantized_shapes(model: Skeleton) -> list[list[tuple[int, int]]]:
-    """Each block's quantized linears as (out, in), walked once per skeleton."""
-    found = _QUANTIZED_SHAPES.get(model.model)
-    if found is None:
-        found = _QUANTIZED_SHAPES[model.model] = [
-            [(m.out_features, m.in_features) for m in b.modules() if isinstance(m, QuantizedLinear)]
+    """Each block's quantized linears as (out, in)."""
+    return per_skeleton(_walk_quantized_shapes, model)
+
+
+def _walk_quantized_shapes(model: Skeleton) -> list[list[tuple[int, int]]]:
+    return [[(m.out_features, m.in_features) for m in b.modules() if isinstance(m, QuantizedLinear)]
             for b in model.blocks]
-    return found
-
-
-_QUANTIZED_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _walk_block_index(model: Skeleton) -> dict[str, int]:

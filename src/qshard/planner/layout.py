@@ -10,8 +10,11 @@ unpadded; blocks used in place (one device) hold everything.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -27,6 +30,20 @@ from qshard.quant import QuantizedLinear
 
 # AdamW keeps two tensors per trained parameter (exp_avg, exp_avg_sq) of its shape and dtype, and a scalar step.
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+_T = TypeVar("_T")
+_PER_SKELETON: dict[Callable, weakref.WeakKeyDictionary] = {}
+
+
+def per_skeleton(walk: Callable[[Skeleton], _T], model: Skeleton) -> _T:
+    """`walk(model)`, computed once per skeleton: a --fit search estimates one skeleton for every candidate, and
+    walking its modules again for each was most of the search's time."""
+    cache = _PER_SKELETON.setdefault(walk, weakref.WeakKeyDictionary())
+    found = cache.get(model.model)
+    if found is None:
+        found = cache[model.model] = walk(model)
+    return found
 
 
 @dataclass(frozen=True)

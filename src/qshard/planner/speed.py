@@ -4,7 +4,6 @@ reductions over the GPU links, host <-> GPU copies for offload, and AdamW on the
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import torch.nn as nn
@@ -17,7 +16,7 @@ from qshard.parallel.fsdp import reshard_after_forward
 from qshard.planner import hardware
 from qshard.planner.activations import kept_projections
 from qshard.planner.hardware import Machine
-from qshard.planner.layout import TensorPlan, plan_mesh
+from qshard.planner.layout import TensorPlan, per_skeleton, plan_mesh
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
 
@@ -95,15 +94,8 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
 
 
 def _linear_params(model: Skeleton) -> tuple[int, int, int]:
-    """Weights of the blocks' matmuls: frozen, trained, and of those frozen the quantized ones (counted once per
-    skeleton: a --fit search estimates one skeleton for every candidate)."""
-    found = _LINEAR_PARAMS.get(model.model)
-    if found is None:
-        found = _LINEAR_PARAMS[model.model] = _count_linear_params(model), _count_mlp_params(model)
-    return found[0]
-
-
-_LINEAR_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    """Weights of the blocks' matmuls: frozen, trained, and of those frozen the quantized ones."""
+    return per_skeleton(_count_linear_params, model)
 
 
 def _count_linear_params(model: Skeleton) -> tuple[int, int, int]:
@@ -134,8 +126,7 @@ def extra_forwards(cfg: Config) -> int:
 
 def _mlp_params(model: Skeleton) -> int:
     """Weights of the matmuls inside the blocks' MLPs (their adapters' included)."""
-    _linear_params(model)
-    return _LINEAR_PARAMS[model.model][1]
+    return per_skeleton(_count_mlp_params, model)
 
 
 def _count_mlp_params(model: Skeleton) -> int:
