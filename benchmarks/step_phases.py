@@ -1,12 +1,14 @@
 """Where a training step's time goes: each phase timed twice, when the host has issued it and when the GPU
 has finished it, plus the GPU's busy time and the host time inside FSDP2's hooks (torch profiler).
 
-  python3 benchmarks/step_phases.py --shape llama3-8b [--seq 2048] [--steps 4] [--section.key V ...]
+  python3 benchmarks/step_phases.py --shape llama3-8b [--seq 2048] [--steps 4] [--top-kernels 25] [--section.key V ...]
 
 A phase whose host time is close to its wall time is bound by the host (Python, dispatch, kernel launches);
 one whose wall time is much longer waits for the GPU. The whole step is timed the same way: the host time to
 queue it (`step_issue_host_s`) against its time to the end (`step_s`). Random weights (`model.shape`) and
-random tokens: nothing is read from disk. One JSON line at the end.
+random tokens: nothing is read from disk. One JSON line at the end. The trainer is built without `qshard train`'s
+prediction, so `parallel.ac_save_projections: auto` reads as off: give `--parallel.ac_save_projections true` to
+profile what the defaults run where they keep the projections.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--top-kernels", type=int, default=25, help="how many of the profiled step's kernels to list")
     args, extra = p.parse_known_args()
     trainer = build_trainer(args, extra, args.warmup + 2 * args.steps + 2)
     for step in range(args.warmup):
@@ -221,9 +224,9 @@ def main() -> None:
         "profiled_step_gpu_idle": idle,
         "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
         else None,
-        "top_kernels_ms_count": {e.key[:90]: [round(e.self_device_time_total / 1e3, 2), e.count]
+        "top_kernels_ms_count": {e.key[:140]: [round(e.self_device_time_total / 1e3, 2), e.count]
                                  for e in sorted((e for e in events if e.device_type.name == "CUDA"),
-                                                 key=lambda e: -e.self_device_time_total)[:25]},
+                                                 key=lambda e: -e.self_device_time_total)[:args.top_kernels]},
         "top_host_ops_ms": {e.key: round(e.self_cpu_time_total / 1e3, 1)
                             for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]},
     }

@@ -54,17 +54,23 @@ def _loss_and_grads(model, loss_fn, batch):
     return loss.detach(), grads
 
 
-# gemma2 soft-caps its logits; qwen2's tiny model ties the head to the embeddings.
-@pytest.mark.parametrize(("model_type", "train_type"), [("llama", "qlora"), ("gemma2", "full"), ("qwen2", "full")])
-def test_chunked_loss_equals_full_logits(dist_env, tiny_models, model_type, train_type):
+# gemma2 soft-caps its logits; qwen2's tiny model ties the head to the embeddings. Under qlora the head is frozen:
+# each chunk's gradient is computed in forward (_FrozenHeadCE), eagerly or compiled as compiled runs do it (aot_eager
+# traces it here; on a GPU inductor generates its kernels); under full the head trains (_ChunkedHeadCE).
+@pytest.mark.parametrize(("model_type", "train_type", "backend"), [
+    ("llama", "qlora", None), ("llama", "qlora", "inductor" if torch.cuda.is_available() else "aot_eager"),
+    ("gemma2", "qlora", None), ("gemma2", "full", None), ("qwen2", "full", None)])
+def test_chunked_loss_equals_full_logits(dist_env, tiny_models, model_type, train_type, backend):
     cfg = Config()
     cfg.train.precision = "fp32"
     cfg.train.train_type = train_type
     model, _ = build_model(cfg.validate(), dist_env, tiny_models(model_type))
-    chunked = build_loss(model, chunk_tokens=7)  # several chunks and a short last one
+    chunked = build_loss(model, chunk_tokens=7, compile_backend=backend)  # several chunks and a short last one
     assert isinstance(chunked, ChunkedLoss)
     if model_type == "gemma2":
         assert chunked.softcap
+    frozen_head = not any(p.requires_grad for p in model.get_output_embeddings().parameters())
+    assert frozen_head == (train_type == "qlora")
     batch = {k: v.to(dist_env.device) for k, v in _batch(model.config.vocab_size).items()}
     model.train()
     full_loss, full_grads = _loss_and_grads(model, FullLogitsLoss(), batch)
@@ -78,6 +84,38 @@ def test_chunked_loss_equals_full_logits(dist_env, tiny_models, model_type, trai
         # near-zero elements by more than any per-element tolerance would allow them.
         error = (chunk_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12)
         assert error < 1e-5, (name, float(error))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_a_frozen_heads_gradient_taken_in_forward_equals_the_recomputed_one(dtype, softcap):
+    from qshard.train.loss import _chunk_loss_and_gradient, _ChunkedHeadCE, _chunks, _FrozenHeadCE
+
+    assert _chunks(17, 8) == [(0, 8), (8, 17)] and _chunks(16, 8) == [(0, 8), (8, 16)] and _chunks(0, 8) == []
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(37, 64, generator=g).to(dtype)
+    weight = (torch.randn(500, 64, generator=g) * 0.3).to(dtype)
+    labels = torch.randint(0, 500, (37,), generator=g)
+    for reduction, factor in (("sum", torch.tensor(0.37)), ("none", torch.linspace(0.5, 2, 37))):
+        results = []
+        for frozen in (False, True):
+            x = states.clone().requires_grad_()
+            if frozen:
+                out = _FrozenHeadCE.apply(x, labels, weight, None, 8, softcap, reduction, _chunk_loss_and_gradient,
+                                          True)
+            else:
+                out = _ChunkedHeadCE.apply(x, labels, weight, None, 8, softcap, reduction)
+            (out * factor).sum().backward()
+            results.append((out.detach(), x.grad))
+        (loss, grad), (frozen_loss, frozen_grad) = results
+        torch.testing.assert_close(frozen_loss, loss, rtol=1e-5, atol=1e-4)
+        # bf16: the two round the same gradient at different points (scaled or not), within its precision.
+        error = (frozen_grad.float() - grad.float()).norm() / grad.float().norm()
+        assert error < (1e-5 if dtype == torch.float32 else 1e-2), float(error)
+        with torch.no_grad():  # without grad: the losses alone, nothing kept
+            again = _FrozenHeadCE.apply(states, labels, weight, None, 8, softcap, reduction, _chunk_loss_and_gradient,
+                                        False)
+        torch.testing.assert_close(again, frozen_loss)
 
 
 def _run_config(model_dir, out, double_quant: bool = False, **parallel) -> Config:

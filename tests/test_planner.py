@@ -19,8 +19,10 @@ def _plan(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-# fp32 block scales: the measurements below were made before quant.double_quant's auto turned it on.
-H200_8B = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "64", "--quant.double_quant", "false"]
+# fp32 block scales and recomputed projections: the measurements below were made before the autos of
+# quant.double_quant and parallel.ac_save_projections turned them on.
+H200_8B = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "64", "--quant.double_quant", "false",
+           "--parallel.ac_save_projections", "false"]
 
 
 # (options, measured peak GiB, measured tok/s or None): Llama-3-8B shape, LoRA r=64 on every block linear. The
@@ -162,6 +164,43 @@ def test_bad_input_is_one_line(capsys, args, message):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_save_projections_auto_is_on_where_the_run_with_them_stays_well_inside_the_gpu(capsys, dist_env):
+    from qshard.planner.command import preflight
+    from qshard.planner.hardware import Machine, gpu
+
+    # `qshard plan` predicts what `qshard train` would settle: on for 8B at 2,048 tokens on an H200.
+    base = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "64", "--seq", "2048"]
+    auto = _plan(capsys, *base)
+    on = _plan(capsys, *base, "--parallel.ac_save_projections", "true")
+    off = _plan(capsys, *base, "--parallel.ac_save_projections", "false")
+    assert auto["peak_gpu_gib"] == on["peak_gpu_gib"] > off["peak_gpu_gib"] + 0.5
+    assert auto["tok_s"] == on["tok_s"] > off["tok_s"]
+
+    lines = LogLines()
+    logging.getLogger("qshard").addHandler(lines)
+    try:
+        def settled(machine, *options):
+            lines.lines.clear()
+            cfg = resolve(None, [("model.shape", "llama3-8b"), ("lora.rank", "64"), ("parallel.compile", "true"),
+                                 *options])
+            assert cfg.parallel.ac_save_projections == "auto" and not cfg.parallel.saves_projections()
+            preflight(cfg, machine, None, None, auto_fit=False, is_main=True)
+            said = [line for line in lines.lines if line.startswith("parallel.ac_save_projections auto:")]
+            assert len(said) == 1, lines.lines
+            return cfg.parallel.ac_save_projections, said[0]
+
+        on, why = settled(Machine(gpu("h200")), ("data.max_length", "2048"))
+        assert on is True and "on (predicted with it: 10.1 GiB per GPU, within 80% of the GPU's 139.8)" in why, why
+        # 8B at 10,240 tokens on a 24 GB card: predicted 19.7 GiB with them, within what fits (90% of its 23.6 GiB)
+        # but not within the 80% an automatic choice spends.
+        on, why = settled(Machine(gpu("4090")), ("data.max_length", "10240"))
+        assert on is False and "19.7 GiB per GPU, over 18.9, 80% of the GPU's 23.6" in why, why
+        on, why = settled(Machine(gpu("h200")), ("data.max_length", "2048"), ("parallel.compile", "false"))
+        assert on is False and "no block is checkpointed inside its compiled graph" in why
+    finally:
+        logging.getLogger("qshard").removeHandler(lines)
 
 
 def test_train_warns_before_loading_or_applies_the_fit(dist_env):  # auto-fit sends rank 0's choice to all

@@ -260,13 +260,16 @@ class ParallelConfig:
     ac_reentrant: bool = False
     # Compiled blocks checkpointed inside their graph (one device, no LoRA dropout) keep the outputs of their
     # narrowing projections (attention's q/k/v, LoRA's A) instead of recomputing them in backward: faster,
-    # for more activation memory (docs/configuration.md says how much).
-    ac_save_projections: bool = False
+    # for more activation memory (docs/configuration.md says how much). auto: on where it takes effect and
+    # `qshard train` predicts the run with it well inside the GPU's memory (planner/command.py, preflight), off
+    # elsewhere (and in code that builds a model without that prediction).
+    ac_save_projections: Literal["auto", True, False] = "auto"
     # Checkpointed blocks keep their attention's output and log-sum-exp from forward to backward, so the recompute
     # does not run attention again (causal attention without a mask or dropout; parallel/kept_attention.py): for
     # long context, where attention is most of a block's forward. Costs tokens x heads x head size in the compute
     # dtype per checkpointed block (1 GiB a block for an 8B model at 128k tokens), held on the GPU.
     ac_keep_attention: bool = False
+
     # full: params, grads and optimizer state sharded (ZeRO-3); grad_op: the same, but each block keeps its
     # gathered weights from forward to backward (ZeRO-2); none: every rank holds everything (DDP-like);
     # hybrid: replicated across `replicate_degree` groups (nodes), sharded within each.
@@ -308,6 +311,10 @@ class ParallelConfig:
     # there, never copied), the rest in host memory: N blocks' storage more GPU memory, that much less host
     # memory and host-to-GPU traffic per step.
     resident_blocks: int = 0
+
+    def saves_projections(self) -> bool:
+        """Whether blocks keep their projections (ac_save_projections): `auto` not yet settled reads as off."""
+        return self.ac_save_projections is True
 
 
 @dataclass
@@ -650,7 +657,7 @@ class Config:
             self._validate_kept_attention()
         if p.compile is False and p.compile_backend != "inductor":
             raise QShardError(f"parallel.compile_backend: {p.compile_backend} has no effect without parallel.compile")
-        if p.ac_save_projections:
+        if p.ac_save_projections is True:
             # Only blocks whose checkpoint is traced into their compiled graph have projections to keep.
             unmet = checkpoint_trace_unmet(p, self.train.train_type, self.lora.dropout, p.nproc)
             if unmet:

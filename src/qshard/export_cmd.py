@@ -52,7 +52,7 @@ def reading_config(cfg: config_mod.Config) -> config_mod.Config:
     compiled does not matter to that at this world size (a hybrid run's replica count need not divide it), and
     export runs no forward to compile."""
     cfg.parallel.sharding, cfg.parallel.replicate_degree, cfg.parallel.cpu_offload = "full", 0, False
-    cfg.parallel.compile, cfg.parallel.cuda_graphs = False, False
+    cfg.parallel.compile, cfg.parallel.cuda_graphs, cfg.parallel.ac_save_projections = False, False, False
     return cfg
 
 

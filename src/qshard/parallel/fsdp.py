@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     if parallel.cuda_graphs:
         check_cuda_graphs(parallel, compute_device(mesh), len(traced), len(checkpointed_blocks(blocks, parallel)))
     if parallel.compile:
-        compile_blocks(blocks, parallel.compile_backend, traced, parallel.ac_save_projections, parallel.cuda_graphs)
+        compile_blocks(blocks, parallel.compile_backend, traced, parallel.saves_projections(), parallel.cuda_graphs)
     shard_blocks(blocks, quantized, in_place, mesh, parallel, prec, reshard_after_forward(parallel))
     kept = shard_embedding_and_head(model, mesh, parallel, prec)
     shard_root(model, [*in_place, *kept], mesh, parallel, prec)
@@ -157,7 +157,7 @@ def traced_blocks(blocks: list[nn.Module], in_place: list[nn.Module], mesh: Devi
     traced = []
     if not checkpoint_trace_unmet(parallel, train_type, dropout, mesh.size()):
         traced = [b for b in checkpointed_blocks(blocks, parallel) if b in in_place]
-    if parallel.ac_save_projections and not traced:  # the config allowed it; the world size does not
+    if parallel.saves_projections() and not traced:  # the config allowed it; the world size does not
         log.warning("parallel.ac_save_projections has no effect: no block is checkpointed inside its compiled "
                     "graph (world size %d)", mesh.size())
     return traced
@@ -193,7 +193,9 @@ def shard_embedding_and_head(model: nn.Module, mesh: DeviceMesh, parallel: Paral
     kept = [*kept_embedding_and_head(model, mesh.size(), parallel, prec), *host_modules(model)]
     resident = resident_embedding_and_head(model, parallel)
     # The embedding is needed in its forward only (and in backward only if it trains); the head stays gathered
-    # from forward into backward, which begins with it, and the chunked loss reads its weight (train/loss.py).
+    # from forward into backward: the chunked loss reads a trained head's weight again there (train/loss.py), and
+    # a preference step reads it several times (a frozen head's gradient is taken in forward, though, so its
+    # gathered copy waits through backward unused).
     for module, reshard in ((embed, True), (head, False)):
         if module not in kept:
             fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard,

@@ -14,13 +14,17 @@ import torch
 from qshard.build import Skeleton, skeleton, training_tokenizer
 from qshard.config import QUANTIZED_TRAIN_TYPES, Config
 from qshard.errors import QShardError
-from qshard.parallel.compile import compile_choice, with_compile_decided
+from qshard.parallel.compile import AUTO, compile_choice, with_compile_decided
 from qshard.parallel.distributed import add_cpu_collectives, from_rank0
 from qshard.planner.estimate import Estimate, estimate
 from qshard.planner.fit import Candidate, search
 from qshard.planner.hardware import GPUS, Machine, gpu
 
 log = logging.getLogger("qshard")
+
+# An automatic choice spends GPU memory on speed only where the run is predicted to stay this far inside the GPU's
+# memory, not just within what `Estimate.fits` allows: a prediction's error must not turn a run that fit into an OOM.
+AUTO_SPEND_GPU_FRACTION = 0.8
 
 
 def plan_model(cfg: Config, world_size: int, model_dir: Path | None = None, vocab_size: int | None = None
@@ -52,7 +56,13 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
         raise QShardError(f"--seq must be > 0, got {length}")
     cfg = compile_planned(cfg, triton=True)
     model = plan_model(cfg, machine.world_size)
-    found = estimate(model, cfg, machine, length)
+    planned = cfg
+    if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
+        planned = copy.deepcopy(cfg)
+        planned.parallel.ac_save_projections = _save_projections(model, cfg, machine, length)[0]
+    found = estimate(model, planned, machine, length)
+    # The search from the settings as given: a candidate then names ac_save_projections wherever it could take
+    # effect, since `qshard train` would settle `auto` again for the candidate's own settings.
     fits = _search(model, cfg, machine, length, top) if fit else None
     if as_json:
         out = {**found.to_json(), "seq": length}
@@ -60,7 +70,7 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
             out["fit"] = [_candidate_json(c) for c in fits[0]]
         print(json.dumps(out))
     else:
-        print("\n".join(_table(cfg, model, found, length)))
+        print("\n".join(_table(planned, model, found, length)))
         if fits is not None:
             print("\n".join(_fit_lines(*fits)))
     return 0
@@ -135,15 +145,17 @@ def _fit_lines(fitting: list[Candidate], smallest: Candidate) -> list[str]:
 
 
 def this_machine(device: torch.device, world_size: int) -> Machine | None:
-    """The machine a run is on, where its GPU memory is known (CUDA); None elsewhere."""
+    """The machine a run is on, where its GPU memory is known (CUDA); None elsewhere. The GPU's memory is what this
+    process may allocate: under a cap (torch.cuda.set_per_process_memory_fraction) that share of it."""
     if device.type != "cuda":
         return None
     props = torch.cuda.get_device_properties(device)
+    memory = props.total_memory * torch.cuda.get_per_process_memory_fraction(device)
     name = props.name.lower().replace(" ", "")
     kind = next((k for k in sorted(GPUS, key=len, reverse=True) if k.replace("-", "") in name), "h100")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return Machine(gpu(kind, props.total_memory / 2**30), max(1, world_size // local), min(local, world_size), host)
+    return Machine(gpu(kind, memory / 2**30), max(1, world_size // local), min(local, world_size), host)
 
 
 def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, vocab_size: int, auto_fit: bool,
@@ -163,8 +175,45 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
             setattr(getattr(cfg, section), key, _typed(getattr(getattr(cfg, section), key), value))
         if cfg.parallel.cpu_offload:  # the gradient norm is reduced on the host
             add_cpu_collectives()
-    elif is_main:
-        _guarded(lambda: _warn_if_not_fitting(cfg, machine, model_dir, vocab_size))
+    # parallel.ac_save_projections auto (--auto-fit sets it wherever it could take effect): settled here, rank 0's
+    # choice on every rank, said once; off where the run cannot be predicted.
+    settle = cfg.parallel.ac_save_projections == AUTO
+
+    def predict() -> tuple[bool, str] | None:
+        model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
+        planned = compile_planned(cfg)
+        chosen = _save_projections(model, planned, machine, cfg.data.max_length) if settle else None
+        if not auto_fit:
+            if chosen is not None:
+                planned.parallel.ac_save_projections = chosen[0]
+            _warn_if_not_fitting(model, planned, machine)
+        return chosen
+
+    if settle:
+        on, why = from_rank0(lambda: _guarded(predict), is_main) or (False, "off (the run could not be predicted)")
+        cfg.parallel.ac_save_projections = on
+        if is_main:
+            log.info("parallel.ac_save_projections auto: %s", why)
+    elif not auto_fit and is_main:
+        _guarded(predict)
+
+
+def _save_projections(model: Skeleton, cfg: Config, machine: Machine, seq: int) -> tuple[bool, str]:
+    """(whether `cfg`, compile decided, keeps its blocks' projections under `auto`, and why, in a few words): where
+    blocks are checkpointed inside their compiled graphs and the run keeping their projections is predicted to peak
+    within AUTO_SPEND_GPU_FRACTION of the GPU's memory and to fit the host's."""
+    trial = copy.deepcopy(cfg)
+    trial.parallel.ac_save_projections = True
+    found = estimate(model, trial, machine, seq)
+    if not found.traced_checkpoints:
+        return False, "off (no block is checkpointed inside its compiled graph)"
+    budget = machine.gpu.memory_gib * AUTO_SPEND_GPU_FRACTION
+    if found.peak_gpu_gib > budget or not found.fits_host:
+        return False, (f"off (predicted with it: {found.peak_gpu_gib:.1f} GiB per GPU, over {budget:.1f}, "
+                       f"{AUTO_SPEND_GPU_FRACTION:.0%} of the GPU's {machine.gpu.memory_gib:.1f})"
+                       if found.fits_host else "off (predicted with it: over the host's memory)")
+    return True, (f"on (predicted with it: {found.peak_gpu_gib:.1f} GiB per GPU, within {AUTO_SPEND_GPU_FRACTION:.0%} "
+                  f"of the GPU's {machine.gpu.memory_gib:.1f})")
 
 
 def _guarded(predict):
@@ -194,9 +243,8 @@ def _auto_fit(cfg: Config, machine: Machine, model_dir: Path | None, vocab_size:
     return chosen.overrides
 
 
-def _warn_if_not_fitting(cfg: Config, machine: Machine, model_dir: Path | None, vocab_size: int | None) -> None:
-    model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
-    found = estimate(model, compile_planned(cfg), machine, cfg.data.max_length)
+def _warn_if_not_fitting(model: Skeleton, cfg: Config, machine: Machine) -> None:
+    found = estimate(model, cfg, machine, cfg.data.max_length)
     if not found.fits:
         log.warning("predicted not to fit: %.2f GiB per GPU of %.1f, %.1f GiB host of %.1f; `qshard plan --fit` "
                     "with the same options suggests settings that fit (or pass --auto-fit)", found.peak_gpu_gib,

@@ -15,7 +15,7 @@ from qshard.parallel.fsdp import reshard_after_forward
 from qshard.planner.activations import BlockActivations, probe_activations
 from qshard.planner.hardware import Machine
 from qshard.planner.layout import TensorPlan, per_skeleton, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
-from qshard.planner.speed import extra_forwards, head_trains, step_times
+from qshard.planner.speed import extra_forwards, head_gradient_in_forward, head_trains, step_times
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
 from qshard.train.grad_sum import defers_grad_sum
@@ -52,6 +52,8 @@ class Estimate:
     machine: Machine
     tokens_per_step: int
     notes: list[str] = field(default_factory=list)
+    # Whether blocks are checkpointed inside their compiled graphs (where ac_save_projections takes effect).
+    traced_checkpoints: bool = False
 
     @property
     def peak_gpu_gib(self) -> float:
@@ -114,7 +116,8 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
         parts = parts if parts is not None and sum(parts.values()) >= sum(rank_parts.values()) else rank_parts
     host_parts, loading = _host_parts(model, cfg, layouts[0], acts, shapes, machine)
     offloaded = sum(_kept_per_block(model, cfg, acts, shapes)) if cfg.parallel.activation_offload else 0.0
-    times = step_times(model, cfg, layouts[0], shapes, machine, offloaded, _traced(cfg, shapes))
+    traced = _traced(cfg, shapes)
+    times = step_times(model, cfg, layouts[0], shapes, machine, offloaded, traced)
     step = sum(times.values())
     tokens = shapes.step_tokens * cfg.train.grad_accum * world
     return Estimate(
@@ -124,7 +127,7 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
         peak_host_gib=max(sum(host_parts.values()), loading) / GIB,
         loading_host_gib=loading / GIB,
         step_s=step, tok_s=tokens / step, time_parts=times, machine=machine, tokens_per_step=tokens,
-        notes=_notes(cfg, shapes),
+        notes=_notes(cfg, shapes), traced_checkpoints=traced,
     )
 
 
@@ -242,7 +245,7 @@ def _dequantized_at_peak(model: Skeleton, cfg: Config, shapes: Shapes) -> float:
     largest = max((o * i for b in blocks for o, i in b), default=0)
     if not (_traced(cfg, shapes) and cfg.quant.method == "nf4"):
         return largest * shapes.compute
-    if cfg.parallel.ac_save_projections:
+    if cfg.parallel.saves_projections():
         recomputed = [sum(o * i for o, i in b if o > i) for b in blocks]
     else:
         recomputed = [sum(o * i for o, i in b) - max((o * i for o, i in b), default=0) for b in blocks]
@@ -262,7 +265,8 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
         kept = [k if i in top else 0.0 for i, k in enumerate(kept)]
     grads = [0.0] * (shapes.blocks + 1) if p.cpu_offload else _grads_by_block(model, plans, shapes.blocks)
     outside = t * acts.outside
-    loss = _loss_chunk(cfg, shapes) + outside
+    logit_gradient_held = not head_gradient_in_forward(model, cfg, plans)
+    loss = _loss_chunk(cfg, shapes, logit_gradient_held) + outside
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
     # Kept beside the checkpoints by every checkpointed block until its backward, per block on average.
     projections = (_kept_projections(model, cfg, acts, shapes) + _kept_attention(model, cfg, shapes)) / shapes.blocks
@@ -274,28 +278,31 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     phases.append((0.0, 0.0, 0.0, sum(grads)))
     phases = [(*phase, 0.0) for phase in phases]
     if extra_forwards(cfg):
-        phases.append((0.0, 0.0, 0.0, _grads_beside_no_grad_forward(cfg, grads), _no_grad_forward(cfg, acts, shapes)))
+        phases.append((0.0, 0.0, 0.0, _grads_beside_no_grad_forward(cfg, grads),
+                       _no_grad_forward(cfg, acts, shapes, logit_gradient_held)))
     kept_at, working_at, loss_at, grads_at, no_grad_at = max(phases, key=sum)
     return {"checkpointed activations": kept_at, "recompute working set": working_at, "loss chunk": loss_at,
             "gradients": grads_at, "gradient-free forward": no_grad_at}
 
 
-def _no_grad_forward(cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
+def _no_grad_forward(cfg: Config, acts: BlockActivations, shapes: Shapes, logit_gradient_held: bool) -> float:
     """What a gradient-free forward of a micro-batch (the reference's, KTO's mismatched rows) holds at its peak
     beside the weights (bytes): the block running, whose tensors are freed once used, so at most what it would
     save for backward (an upper bound), with its input; or the head's part. Only per-row log-probs outlive it."""
     t = shapes.tokens
     block = max(_block_working_set(cfg, acts, shapes, i) for i in range(shapes.blocks)) + t * acts.block_input
-    return max(block + t * acts.outside, _no_grad_head(cfg, shapes))
+    return max(block + t * acts.outside, _no_grad_head(cfg, shapes, logit_gradient_held))
 
 
-def _no_grad_head(cfg: Config, shapes: Shapes) -> float:
+def _no_grad_head(cfg: Config, shapes: Shapes, logit_gradient_held: bool) -> float:
     """The head's per-token log-probs without gradient (train/loss.py, token_logps): one chunk's logits in the
-    compute dtype, their fp32 copy and its log-softmax; the final hidden states, their copy without each row's
-    last position and the trained positions' rows; each token's label (int64, and its shifted copy) and log-prob."""
+    compute dtype and their fp32 copy (and, where the head's gradient is not taken in forward: `_ChunkedHeadCE`,
+    the full logits, their log-softmax); the final hidden states, their copy without each row's last position and
+    the trained positions' rows; each token's label (int64, and its shifted copy) and log-prob."""
     t = shapes.tokens
     chunk = min(cfg.train.loss_chunk_tokens or t, t)
-    return chunk * shapes.vocab * (shapes.compute + 4 + 4) + 3 * t * shapes.hidden * shapes.compute + 20 * t
+    per_logit = shapes.compute + 4 + (4 if logit_gradient_held else 0)
+    return chunk * shapes.vocab * per_logit + 3 * t * shapes.hidden * shapes.compute + 20 * t
 
 
 def _grads_beside_no_grad_forward(cfg: Config, grads: list[float]) -> float:
@@ -326,7 +333,7 @@ def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes
 def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
     """Under ac_save_projections, where checkpoints are traced: the projections every checkpointed block keeps
     inside its compiled graph, which activation offload's hooks are not counted on to reach."""
-    if not (_traced(cfg, shapes) and cfg.parallel.ac_save_projections):
+    if not (_traced(cfg, shapes) and cfg.parallel.saves_projections()):
         return 0.0
     ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
     return sum(shapes.tokens * acts.projections[i] for i, b in enumerate(model.blocks) if id(b) in ckpt)
@@ -358,12 +365,14 @@ def _grads_by_block(model: Skeleton, plans: list[TensorPlan], blocks: int) -> li
     return grads
 
 
-def _loss_chunk(cfg: Config, shapes: Shapes) -> float:
-    """The head's logits of one loss chunk (train/loss.py): in the compute dtype, their fp32 copy and its
-    gradient; all the micro-batch's tokens at once when loss_chunk_tokens is 0."""
+def _loss_chunk(cfg: Config, shapes: Shapes, logit_gradient_held: bool) -> float:
+    """The head's logits of one loss chunk (train/loss.py): in the compute dtype and their fp32 copy, which a frozen
+    head's gradient (taken in forward) overwrites, or else beside their fp32 gradient (`logit_gradient_held`); all
+    the micro-batch's tokens at once when the loss is not chunked."""
     chunk = cfg.train.loss_chunk_tokens or shapes.tokens
     chunk = min(chunk, shapes.tokens)
-    return chunk * shapes.vocab * (shapes.compute + 4 + 4) + shapes.tokens * shapes.hidden * shapes.compute
+    per_logit = shapes.compute + 4 + (4 if logit_gradient_held else 0)
+    return chunk * shapes.vocab * per_logit + shapes.tokens * shapes.hidden * shapes.compute
 
 
 def _comm_buffers(model: Skeleton, cfg: Config, plans: list[TensorPlan]) -> float:
@@ -436,6 +445,6 @@ def _pinned(nbytes: float) -> float:
 
 def _notes(cfg: Config, shapes: Shapes) -> list[str]:
     notes = []
-    if cfg.parallel.ac_save_projections and not _traced(cfg, shapes):
+    if cfg.parallel.saves_projections() and not _traced(cfg, shapes):
         notes.append("parallel.ac_save_projections has no effect here (no block's checkpoint is traced)")
     return notes

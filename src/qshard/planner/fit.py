@@ -47,8 +47,10 @@ def _settings(cfg: Config, world: int, seq: int, tiles_allowed: bool) -> list[di
     found = []
     tiles = (0, MLP_TILE) if tiles_allowed and seq >= 2 * MLP_TILE else (0,)
     keeps = (False, True) if seq >= KEEP_ATTENTION_FROM else (p.ac_keep_attention,)
+    # Kept projections only where they could take effect; elsewhere the run's own value (`auto` reads as off there).
+    projections = (False, True) if quantized and world == 1 else (p.ac_save_projections,)
     for m, (ac, every), proj, act_off, cpu_off, chunk, compiled, sharding, tile, keep in itertools.product(
-            micro, checkpointing, (False, True) if quantized and world == 1 else (False,), (False, True),
+            micro, checkpointing, projections, (False, True),
             (False, True), LOSS_CHUNKS, compiles, shardings, tiles, keeps):
         found.append({
             "train.micro_batch_size": m, "train.grad_accum": batch // m,

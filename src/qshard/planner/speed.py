@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.nn as nn
 
 from qshard.adapters import LoRALinear
@@ -19,6 +20,7 @@ from qshard.planner.hardware import Machine
 from qshard.planner.layout import TensorPlan, per_skeleton, plan_mesh
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
+from qshard.train.loss import chunks_loss
 
 if TYPE_CHECKING:
     from qshard.planner.estimate import Shapes
@@ -27,6 +29,14 @@ if TYPE_CHECKING:
 def head_trains(plans: list[TensorPlan]) -> bool:
     """Whether the output head trains (lora.modules_to_save, full fine-tuning): its weight's gradient costs too."""
     return any(p.trainable and "lm_head" in p.name for p in plans)
+
+
+def head_gradient_in_forward(model: Skeleton, cfg: Config, plans: list[TensorPlan]) -> bool:
+    """Whether the loss takes the head's gradient in forward (train/loss.py, `_FrozenHeadCE`): a frozen head under
+    the chunked loss, outside fp16. Otherwise the logits are computed again in backward (a chunked loss) or kept for
+    it (the full logits), with their fp32 gradient."""
+    return (not head_trains(plans) and precision(cfg).compute != torch.float16
+            and chunks_loss(model.model, cfg.train.loss_chunk_tokens))
 
 
 def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Shapes, machine: Machine,
@@ -47,10 +57,13 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
         # recompute then skips the MLP, so only blocks not checkpointed that way run it once more.
         again = 1.0 if p.ac_reentrant else 1.0 - ckpt
         matmul += t * 2 * _mlp_params(model) * again
-    head = t * shapes.vocab * shapes.hidden * (2 * 3 + (2 if head_trains(plans) else 0))
+    # The head's forward and its input's gradient; where the head's gradient is not taken in forward, the chunked
+    # loss computes its logits again in backward (train/loss.py), and a head that trains its own gradient.
+    head = t * shapes.vocab * shapes.hidden * (2 * 2 + (0 if head_gradient_in_forward(model, cfg, plans) else 2)
+                                               + (2 if head_trains(plans) else 0))
     # Causal attention: QK^T and PV, half the matrix; backward about 2.5 forwards; once more if recomputed.
     recomputed_attention = ckpt
-    if traced and p.ac_save_projections:  # kept, not recomputed: the projections, attention
+    if traced and p.saves_projections():  # kept, not recomputed: the projections, attention
         matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
         recomputed_attention = 0.0
     if p.ac_keep_attention:  # the recompute takes the forward's attention (parallel/kept_attention.py)

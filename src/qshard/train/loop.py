@@ -18,7 +18,7 @@ from qshard.config import Config
 from qshard.data import IGNORE_INDEX, Example, GlobalBatchSampler, for_epoch, input_tokens
 from qshard.host_embedding import HOST_ROWS, with_input_embeddings
 from qshard.models import shares_prompt
-from qshard.parallel.compile import step_marker
+from qshard.parallel.compile import compile_choice, step_marker
 from qshard.parallel.distributed import DistEnv
 from qshard.parallel.fsdp import reshard_all
 from qshard.parallel.offload import activation_offload, optimizer_device
@@ -157,8 +157,10 @@ class Trainer:
         self.sampler, self.total_steps = self.plan(cfg, len(train_examples), env)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Summed next-token cross-entropy over trained tokens, in fp32 (chunked over the vocabulary's logits
-        # where the architecture allows); the step divides by the global batch's trained-token count.
-        self.loss_sum = build_loss(model, t.loss_chunk_tokens)
+        # where the architecture allows); the step divides by the global batch's trained-token count. Compiled
+        # where the blocks are.
+        compiled, _ = compile_choice(cfg.parallel, env.device)
+        self.loss_sum = build_loss(model, t.loss_chunk_tokens, cfg.parallel.compile_backend if compiled else None)
         # What a micro-batch trains (train.objective): (summed loss, its metrics' sums and counts), with the units
         # the loss is averaged over and how examples are collated.
         # A pair's prompt computed once (pref.share_prompt) where the model's attention allows it.

@@ -6,10 +6,12 @@ Two implementations of the same function, chosen once when the trainer is built:
   128k vocabulary that is [tokens, 128k] in bf16, again in fp32 for the log-sum-exp, and once more for
   the gradient: about 2.5 GiB at 2,048 tokens and 10 GiB at 8,192.
 - `ChunkedLoss` stops the model before its head (`logits_to_keep` with no positions), takes the final
-  hidden states, and applies the head and cross-entropy a few hundred tokens at a time, recomputing each
-  chunk's logits in backward: never more than one chunk of logits exists. Used for architectures whose
-  head is a plain linear (optionally with Gemma's tanh soft-capping), which covers every family qshard
-  lists; anything else keeps the full-logits path.
+  hidden states, and applies the head and cross-entropy a few hundred tokens at a time: never more than one
+  chunk of logits exists. A frozen head (every adapter train type) has each chunk's gradient with respect to
+  its hidden states computed in forward, beside its loss (`_FrozenHeadCE`); a head that trains has each chunk's
+  logits recomputed in backward (`_ChunkedHeadCE`). Used for architectures whose head is a plain linear
+  (optionally with Gemma's tanh soft-capping), which covers every family qshard lists; anything else keeps the
+  full-logits path.
 
 Both sum (not average) the loss: the trainer divides by the trained-token count of the global batch.
 """
@@ -21,6 +23,7 @@ import logging
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -53,10 +56,17 @@ class FullLogitsLoss:
 
 
 class ChunkedLoss:
-    def __init__(self, model: nn.Module, chunk_tokens: int) -> None:
+    def __init__(self, model: nn.Module, chunk_tokens: int, compile_backend: str | None = None) -> None:
+        """`compile_backend`: the torch.compile backend of a run whose blocks are compiled, which the frozen head's
+        chunk arithmetic is compiled with too (its log-sum-exp, softmax and one-hot subtraction become one pass
+        over the chunk's logits in the compute dtype, not several over fp32 copies); None: run eagerly."""
         self.head = model.get_output_embeddings()
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.chunk_tokens = chunk_tokens
+        self.frozen_chunk = _chunk_loss_and_gradient
+        if compile_backend is not None:
+            # Dynamic: a chunk's length is the count of trained tokens left, which changes from batch to batch.
+            self.frozen_chunk = torch.compile(_chunk_loss_and_gradient, backend=compile_backend, dynamic=True)
         self.hidden: torch.Tensor | None = None
         # The decoder's output is the head's input; a hook hands it over without asking the model for logits.
         model.base_model.register_forward_hook(self._capture)
@@ -65,11 +75,21 @@ class ChunkedLoss:
         self.hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return _ChunkedHeadCE.apply(*self._head_inputs(model, batch), self.chunk_tokens, self.softcap, "sum")
+        return self._cross_entropy(self._head_inputs(model, batch), "sum")
 
     def token_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The log-prob of each trained next token, in the order of `loss_positions` (preference objectives)."""
-        return -_ChunkedHeadCE.apply(*self._head_inputs(model, batch), self.chunk_tokens, self.softcap, "none")
+        return -self._cross_entropy(self._head_inputs(model, batch), "none")
+
+    def _cross_entropy(self, inputs: tuple, reduction: str) -> torch.Tensor:
+        states, labels, weight, bias = inputs
+        # fp16 keeps the path whose gradient is scaled (by the loss scale) before it is rounded to fp16: unscaled,
+        # probabilities under fp16's smallest value would round to zero.
+        if weight.requires_grad or (bias is not None and bias.requires_grad) or states.dtype == torch.float16:
+            return _ChunkedHeadCE.apply(states, labels, weight, bias, self.chunk_tokens, self.softcap, reduction)
+        with_gradient = states.requires_grad and torch.is_grad_enabled()
+        return _FrozenHeadCE.apply(states, labels, weight, bias, self.chunk_tokens, self.softcap, reduction,
+                                   self.frozen_chunk, with_gradient)
 
     def _head_inputs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple:
         """(hidden states at the trained positions, their next tokens, the head's weight and bias)."""
@@ -120,8 +140,77 @@ def _chunk_loss(states, labels, weight, bias, softcap, reduction="sum") -> torch
     return F.cross_entropy(logits.float(), labels, reduction=reduction)
 
 
+def _chunk_loss_and_gradient(states, labels, weight, bias, softcap, with_gradient: bool):
+    """`_chunk_loss`'s per-token losses (reduction "none") and, `with_gradient`, their gradient with respect to
+    `states`: (softmax - one-hot of the label) through the soft-cap (d/dz c tanh(z/c) = 1 - tanh(z/c)^2), in
+    the compute dtype, times the head's weight. The logits are rounded to the compute dtype and soft-capped there,
+    as the model computes them; the loss and the softmax in fp32."""
+    weight = weight.to(states.dtype)
+    logits = F.linear(states, weight, None if bias is None else bias.to(states.dtype))
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    losses = lse - logits.gather(1, labels.unsqueeze(1)).squeeze(1)
+    if not with_gradient:
+        return losses, None
+    through_cap = None if softcap is None else 1 - (logits / softcap) ** 2
+    # In place of the fp32 logits (no longer read): run eagerly, one [chunk, vocabulary] fp32 tensor at a time.
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()
+    grad[torch.arange(len(labels), device=labels.device), labels] -= 1
+    if through_cap is not None:
+        grad.mul_(through_cap)
+    return losses, grad.to(states.dtype) @ weight
+
+
+class _FrozenHeadCE(torch.autograd.Function):
+    """Cross-entropy of a frozen head's logits, chunk by chunk: summed ("sum"), or each token's ("none").
+
+    The loss is the end of the graph, so a token's gradient with respect to its logits (softmax - one-hot) needs
+    nothing from backward but the factor backward brings (one for the sum, one per token): each chunk's gradient
+    with respect to its hidden states is computed in forward beside its loss, and kept instead of the states.
+    Backward only multiplies. Each chunk's logits are computed once, not again in backward as `_ChunkedHeadCE`
+    must for a head whose own gradient is wanted. Without `with_gradient` (no grad: evaluation, a preference
+    reference) only the losses are computed. `chunk_fn`: `_chunk_loss_and_gradient`, or its compiled form."""
+
+    @staticmethod
+    def forward(ctx, states, labels, weight, bias, chunk_tokens, softcap, reduction, chunk_fn, with_gradient):
+        losses = states.new_empty(states.shape[0], dtype=torch.float32)
+        grad_states = torch.empty_like(states) if with_gradient else None
+        for start, end in _chunks(states.shape[0], chunk_tokens):
+            losses[start:end], grad = chunk_fn(states[start:end], labels[start:end], weight, bias, softcap,
+                                               with_gradient)
+            if with_gradient:
+                grad_states[start:end] = grad
+        ctx.save_for_backward(grad_states)
+        ctx.reduction, ctx.chunk_tokens = reduction, chunk_tokens
+        return losses.sum() if reduction == "sum" else losses
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        (grad_states,) = ctx.saved_tensors
+        # Chunk by chunk into a new tensor: the product in fp32 of all of it at once would take 4 bytes a value more
+        # at the step's peak; the saved tensor stays as it is (a backward with retain_graph runs this again).
+        grad = torch.empty_like(grad_states)
+        for start, end in _chunks(grad.shape[0], ctx.chunk_tokens):
+            factor = grad_out if ctx.reduction == "sum" else grad_out[start:end].unsqueeze(1)
+            grad[start:end] = grad_states[start:end].float() * factor
+        return grad, None, None, None, None, None, None, None, None
+
+
+def _chunks(n: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of `n` tokens; a last chunk of one token joins the one before it, since a compiled
+    chunk function (compiled for any length) is compiled again for a length of one."""
+    bounds = [(start, min(start + chunk_tokens, n)) for start in range(0, n, chunk_tokens)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
+
+
 class _ChunkedHeadCE(torch.autograd.Function):
-    """Cross-entropy of the head's logits, chunk by chunk: summed ("sum"), or each token's ("none")."""
+    """Cross-entropy of the head's logits, chunk by chunk: summed ("sum"), or each token's ("none"), for a head
+    that trains: each chunk's logits are computed again in backward, for the head's gradient and the states'."""
 
     @staticmethod
     def forward(ctx, states, labels, weight, bias, chunk_tokens, softcap, reduction="sum"):
@@ -167,16 +256,21 @@ class _ChunkedHeadCE(torch.autograd.Function):
         return grad_states, None, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None
 
 
-def build_loss(model: nn.Module, chunk_tokens: int):
+def chunks_loss(model: nn.Module, chunk_tokens: int) -> bool:
+    """Whether `build_loss` chunks `model`'s loss: a chunk size, and a head known to be plain."""
+    return (chunk_tokens > 0 and getattr(model.config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES
+            and model.get_output_embeddings() is not None)
+
+
+def build_loss(model: nn.Module, chunk_tokens: int, compile_backend: str | None = None):
     """The chunked loss where the architecture's head is known to be plain; the full-logits one otherwise
-    (or when `train.loss_chunk_tokens` is 0)."""
-    model_type = getattr(model.config, "model_type", None)
-    if chunk_tokens <= 0:
-        return FullLogitsLoss()
-    if model_type not in PLAIN_HEAD_MODEL_TYPES or model.get_output_embeddings() is None:
-        log.info("loss over full logits: %s's output head is not one qshard chunks", model_type)
-        return FullLogitsLoss()
-    return ChunkedLoss(model, chunk_tokens)
+    (or when `train.loss_chunk_tokens` is 0). `compile_backend`: see `ChunkedLoss`."""
+    if chunks_loss(model, chunk_tokens):
+        return ChunkedLoss(model, chunk_tokens, compile_backend)
+    if chunk_tokens > 0:
+        log.info("loss over full logits: %s's output head is not one qshard chunks",
+                 getattr(model.config, "model_type", None))
+    return FullLogitsLoss()
 
 
 class TokenObjective:
