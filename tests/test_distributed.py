@@ -113,6 +113,16 @@ def _sharding_worker(rank: int, world: int, port: int, model_dir: str, result_di
         local_bytes = sum(t.numel() * t.element_size() for t in local.values())
         results[how] = {"local_bytes": local_bytes, "gathered": gathered,
                         "local_packed_rows": local["self_attn.q_proj.base.packed"].shape[0]}
+        if how == "fsdp":  # the frozen head's unit: gathered for the loss, freed before backward (train/loss.py)
+            from torch.distributed.tensor import DTensor
+
+            from qshard.train.loss import build_loss
+
+            ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+            loss = build_loss(model, chunk_tokens=4)(model, {"input_ids": ids, "labels": ids})
+            results[how]["head sharded after the loss"] = isinstance(model.lm_head.weight, DTensor)
+            loss.backward()
+            results[how]["adapter gradients"] = sum(p.grad is not None for p in model.parameters())
         del model, layer, q
     torch.save(results, f"{result_dir}/rank{rank}.pt")
     shutdown()
@@ -134,6 +144,8 @@ def test_quantized_storage_is_sharded_and_gathered_exactly(sharded_storage, tiny
 
     model_dir = tiny_models("llama")
     results = [by_how[how] for by_how in sharded_storage]
+    if how == "fsdp":
+        assert all(r["head sharded after the loss"] and r["adapter gradients"] > 0 for r in results), results
     weight = Checkpoint(model_dir).read("model.layers.0.self_attn.q_proj.weight")
     packed, absmax = quantize_nf4(weight, 64)
     for res in results:

@@ -203,6 +203,18 @@ def test_save_projections_auto_is_on_where_the_run_with_them_stays_well_inside_t
         logging.getLogger("qshard").removeHandler(lines)
 
 
+def test_a_frozen_heads_gathered_weight_is_planned_at_the_loss_only(capsys):
+    # 8B on two GPUs: the head (128,256 x 4,096 in bf16, 0.98 GiB gathered) has a unit, which the loss reshards before
+    # backward when it takes the head's gradient in forward (train/loss.py); under fp16 it does not, and the head
+    # stays gathered through backward.
+    base = ["--model.shape", "llama3-8b", "--lora-rank", "64", "--gpu-kind", "h200", "--gpus", "2", "--seq", "2048"]
+    frozen = _plan(capsys, *base)
+    fp16 = _plan(capsys, *base, "--train.precision", "fp16_mixed")
+    head = 128256 * 4096 * 2 / 2**30
+    assert frozen["parts"]["gathered blocks"] < head < frozen["parts"]["loss chunk"], frozen["parts"]
+    assert fp16["parts"]["gathered blocks"] > head > fp16["parts"]["loss chunk"], fp16["parts"]
+
+
 def test_train_warns_before_loading_or_applies_the_fit(dist_env):  # auto-fit sends rank 0's choice to all
     from qshard.planner.command import preflight
     from qshard.planner.hardware import Machine, gpu

@@ -194,8 +194,8 @@ def shard_embedding_and_head(model: nn.Module, mesh: DeviceMesh, parallel: Paral
     resident = resident_embedding_and_head(model, parallel)
     # The embedding is needed in its forward only (and in backward only if it trains); the head stays gathered
     # from forward into backward: the chunked loss reads a trained head's weight again there (train/loss.py), and
-    # a preference step reads it several times (a frozen head's gradient is taken in forward, though, so its
-    # gathered copy waits through backward unused).
+    # a preference step reads it several times (a frozen head, whose gradient the loss takes in forward, is
+    # resharded by the loss after the micro-batch's forward with gradient).
     for module, reshard in ((embed, True), (head, False)):
         if module not in kept:
             fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard,

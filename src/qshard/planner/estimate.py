@@ -207,26 +207,32 @@ def _gpu_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Bloc
 
 def _gathered(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Shapes) -> float:
     """Blocks' weights gathered by FSDP2 at once: the block running and the one prefetched (every block under
-    grad_op, which keeps them from forward to backward), and the head, which stays gathered for the loss;
+    grad_op, which keeps them from forward to backward), and the head, which stays gathered from the loss through
+    backward unless the loss takes its gradient in forward (then `_activation_phases` counts it at the loss only);
     storage in DTensor buffers is gathered a layer at a time."""
     index = _block_index(model)
     per_block = [0.0] * shapes.blocks
-    rest = layer = 0.0
+    layer = 0.0
     for plan in plans:
         if plan.holder == "dtensor":
             layer = max(layer, plan.full_bytes)
-        if plan.holder != "fsdp":
-            continue
-        gathered = plan.full_bytes
-        if plan.dtype.is_floating_point:
-            gathered = gathered // plan.dtype.itemsize * _gathered_itemsize(plan, cfg, shapes)
-        if plan.name in index:
-            per_block[index[plan.name]] += gathered
-        elif plan.part == "head":
-            rest += gathered
+        if plan.holder == "fsdp" and plan.name in index:
+            per_block[index[plan.name]] += _gathered_bytes(plan, cfg, shapes)
     per_block.sort(reverse=True)
     in_flight = shapes.blocks if not reshard_after_forward(cfg.parallel) else min(2, shapes.blocks)
-    return sum(per_block[:in_flight]) + rest + 2 * layer
+    head = 0.0 if head_gradient_in_forward(model, cfg, plans) else _gathered_head(plans, cfg, shapes)
+    return sum(per_block[:in_flight]) + head + 2 * layer
+
+
+def _gathered_head(plans: list[TensorPlan], cfg: Config, shapes: Shapes) -> float:
+    """The head's weights as its FSDP2 unit gathers them (none where it has no unit)."""
+    return sum(_gathered_bytes(p, cfg, shapes) for p in plans if p.holder == "fsdp" and p.part == "head")
+
+
+def _gathered_bytes(plan: TensorPlan, cfg: Config, shapes: Shapes) -> float:
+    if not plan.dtype.is_floating_point:
+        return plan.full_bytes
+    return plan.full_bytes // plan.dtype.itemsize * _gathered_itemsize(plan, cfg, shapes)
 
 
 def _gathered_itemsize(plan: TensorPlan, cfg: Config, shapes: Shapes) -> int:
@@ -267,6 +273,8 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     outside = t * acts.outside
     logit_gradient_held = not head_gradient_in_forward(model, cfg, plans)
     loss = _loss_chunk(cfg, shapes, logit_gradient_held) + outside
+    if not logit_gradient_held:  # the head, gathered for the loss and resharded before backward (train/loss.py)
+        loss += _gathered_head(plans, cfg, shapes)
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
     # Kept beside the checkpoints by every checkpointed block until its backward, per block on average.
     projections = (_kept_projections(model, cfg, acts, shapes) + _kept_attention(model, cfg, shapes)) / shapes.blocks

@@ -18,6 +18,7 @@ Both sum (not average) the loss: the trainer divides by the trained-token count 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -63,10 +64,7 @@ class ChunkedLoss:
         self.head = model.get_output_embeddings()
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.chunk_tokens = chunk_tokens
-        self.frozen_chunk = _chunk_loss_and_gradient
-        if compile_backend is not None:
-            # Dynamic: a chunk's length is the count of trained tokens left, which changes from batch to batch.
-            self.frozen_chunk = torch.compile(_chunk_loss_and_gradient, backend=compile_backend, dynamic=True)
+        self.frozen_chunk = _chunk_loss_and_gradient if compile_backend is None else _compiled_chunk(compile_backend)
         self.hidden: torch.Tensor | None = None
         # The decoder's output is the head's input; a hook hands it over without asking the model for logits.
         model.base_model.register_forward_hook(self._capture)
@@ -88,8 +86,14 @@ class ChunkedLoss:
         if weight.requires_grad or (bias is not None and bias.requires_grad) or states.dtype == torch.float16:
             return _ChunkedHeadCE.apply(states, labels, weight, bias, self.chunk_tokens, self.softcap, reduction)
         with_gradient = states.requires_grad and torch.is_grad_enabled()
-        return _FrozenHeadCE.apply(states, labels, weight, bias, self.chunk_tokens, self.softcap, reduction,
+        loss = _FrozenHeadCE.apply(states, labels, weight, bias, self.chunk_tokens, self.softcap, reduction,
                                    self.frozen_chunk, with_gradient)
+        if with_gradient and isinstance(self.head, FSDPModule):
+            # The micro-batch's last forward (gradient-free ones, a preference reference, come before it): backward
+            # never reads a frozen head's weight, so its gathered copy is freed now rather than at the end of
+            # backward (per GPU: 1 GiB for an 8B model's head in bf16, 2 GiB for a 70B's).
+            self.head.reshard()
+        return loss
 
     def _head_inputs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple:
         """(hidden states at the trained positions, their next tokens, the head's weight and bias)."""
@@ -155,12 +159,19 @@ def _chunk_loss_and_gradient(states, labels, weight, bias, softcap, with_gradien
     if not with_gradient:
         return losses, None
     through_cap = None if softcap is None else 1 - (logits / softcap) ** 2
-    # In place of the fp32 logits (no longer read): run eagerly, one [chunk, vocabulary] fp32 tensor at a time.
+    # In place of the fp32 logits (no longer read): run eagerly, one [chunk, vocabulary] fp32 tensor is alive at once.
     grad = logits.sub_(lse.unsqueeze(1)).exp_()
     grad[torch.arange(len(labels), device=labels.device), labels] -= 1
     if through_cap is not None:
         grad.mul_(through_cap)
     return losses, grad.to(states.dtype) @ weight
+
+
+@functools.cache
+def _compiled_chunk(backend: str):
+    """`_chunk_loss_and_gradient` compiled, one object per backend for the process (a new one would compile again).
+    Dynamic: a chunk's length is the count of trained tokens left, which changes from batch to batch."""
+    return torch.compile(_chunk_loss_and_gradient, backend=backend, dynamic=True)
 
 
 class _FrozenHeadCE(torch.autograd.Function):
