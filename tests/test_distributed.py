@@ -116,12 +116,20 @@ def _sharding_worker(rank: int, world: int, port: int, model_dir: str, result_di
         if how == "fsdp":  # the frozen head's unit: gathered for the loss, freed before backward (train/loss.py)
             from torch.distributed.tensor import DTensor
 
-            from qshard.train.loss import build_loss
+            from qshard.train.loss import build_loss, loss_positions
 
             ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
-            loss = build_loss(model, chunk_tokens=4)(model, {"input_ids": ids, "labels": ids})
-            results[how]["head sharded after the loss"] = isinstance(model.lm_head.weight, DTensor)
-            loss.backward()
+            batch = {"input_ids": ids, "labels": ids, "loss_positions": loss_positions(ids)}
+            chunked = build_loss(model, chunk_tokens=4)
+            sharded = []
+            for _ in range(2):  # two micro-batches: the second gathers the head again
+                with torch.no_grad():  # a preference reference's forward first: the head stays gathered
+                    chunked.token_logps(model, batch)
+                sharded.append(isinstance(model.lm_head.weight, DTensor))
+                loss = chunked(model, batch)
+                sharded.append(isinstance(model.lm_head.weight, DTensor))
+                loss.backward()
+            results[how]["head sharded after the reference, the loss (twice)"] = sharded
             results[how]["adapter gradients"] = sum(p.grad is not None for p in model.parameters())
         del model, layer, q
     torch.save(results, f"{result_dir}/rank{rank}.pt")
@@ -145,7 +153,9 @@ def test_quantized_storage_is_sharded_and_gathered_exactly(sharded_storage, tiny
     model_dir = tiny_models("llama")
     results = [by_how[how] for by_how in sharded_storage]
     if how == "fsdp":
-        assert all(r["head sharded after the loss"] and r["adapter gradients"] > 0 for r in results), results
+        for r in results:
+            assert r["head sharded after the reference, the loss (twice)"] == [False, True, False, True], r
+            assert r["adapter gradients"] > 0
     weight = Checkpoint(model_dir).read("model.layers.0.self_attn.q_proj.weight")
     packed, absmax = quantize_nf4(weight, 64)
     for res in results:

@@ -213,6 +213,10 @@ def test_a_frozen_heads_gathered_weight_is_planned_at_the_loss_only(capsys):
     head = 128256 * 4096 * 2 / 2**30
     assert frozen["parts"]["gathered blocks"] < head < frozen["parts"]["loss chunk"], frozen["parts"]
     assert fp16["parts"]["gathered blocks"] > head > fp16["parts"]["loss chunk"], fp16["parts"]
+    # A reference's gradient-free forward keeps the head gathered (its own forward gathered it) until the loss.
+    dpo = _plan(capsys, *base, "--train.objective", "dpo", "--parallel.activation_offload", "true",
+                "--train.grad_accum", "2")
+    assert dpo["parts"]["gradient-free forward"] > head, dpo["parts"]
 
 
 def test_train_warns_before_loading_or_applies_the_fit(dist_env):  # auto-fit sends rank 0's choice to all

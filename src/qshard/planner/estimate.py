@@ -272,9 +272,10 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     grads = [0.0] * (shapes.blocks + 1) if p.cpu_offload else _grads_by_block(model, plans, shapes.blocks)
     outside = t * acts.outside
     logit_gradient_held = not head_gradient_in_forward(model, cfg, plans)
-    loss = _loss_chunk(cfg, shapes, logit_gradient_held) + outside
-    if not logit_gradient_held:  # the head, gathered for the loss and resharded before backward (train/loss.py)
-        loss += _gathered_head(plans, cfg, shapes)
+    # Where the loss reshards the head before backward (train/loss.py), its gathered weight counts in the forwards only:
+    # the loss's, and the gradient-free ones (gathered by the head's own forward and kept until that loss).
+    head = 0.0 if logit_gradient_held else _gathered_head(plans, cfg, shapes)
+    loss = _loss_chunk(cfg, shapes, logit_gradient_held) + outside + head
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
     # Kept beside the checkpoints by every checkpointed block until its backward, per block on average.
     projections = (_kept_projections(model, cfg, acts, shapes) + _kept_attention(model, cfg, shapes)) / shapes.blocks
@@ -287,7 +288,7 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     phases = [(*phase, 0.0) for phase in phases]
     if extra_forwards(cfg):
         phases.append((0.0, 0.0, 0.0, _grads_beside_no_grad_forward(cfg, grads),
-                       _no_grad_forward(cfg, acts, shapes, logit_gradient_held)))
+                       _no_grad_forward(cfg, acts, shapes, logit_gradient_held) + head))
     kept_at, working_at, loss_at, grads_at, no_grad_at = max(phases, key=sum)
     return {"checkpointed activations": kept_at, "recompute working set": working_at, "loss chunk": loss_at,
             "gradients": grads_at, "gradient-free forward": no_grad_at}

@@ -104,8 +104,10 @@ class ChunkedLoss:
         # Prompt and padding positions need no logits at all. Positions rather than a mask: selecting by a
         # mask would wait for the device to count it, in forward and again in backward.
         states, labels = trained_positions(hidden, batch)
-        # The head's weight as its FSDP unit gathered it (kept from the forward into backward, see
-        # parallel/fsdp.py; unshard() is a no-op then). Still sharded, e.g. outside FSDP: gathered here.
+        # The head's weight as its FSDP unit gathered it: the model's forward calls the head (on no positions), whose
+        # unit keeps it gathered after forward (parallel/fsdp.py), so unshard() is a no-op then; a frozen head is
+        # resharded after the loss with gradient (`_cross_entropy`), a trained one at the end of backward. Still
+        # sharded, e.g. outside FSDP: gathered here.
         if isinstance(self.head, FSDPModule):
             self.head.unshard()
         weight, bias = self.head.weight, self.head.bias
