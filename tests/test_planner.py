@@ -177,6 +177,9 @@ def test_save_projections_auto_is_on_where_the_run_with_them_stays_well_inside_t
     off = _plan(capsys, *base, "--parallel.ac_save_projections", "false")
     assert auto["peak_gpu_gib"] == on["peak_gpu_gib"] > off["peak_gpu_gib"] + 0.5
     assert auto["tok_s"] == on["tok_s"] > off["tok_s"]
+    assert auto["ac_save_projections"] is True and "ac_save_projections" not in on  # said where it was settled
+    assert main(["plan", *base]) == 0
+    assert "\n  parallel.ac_save_projections auto: on (predicted with it: 10.1 GiB" in capsys.readouterr().out
 
     lines = LogLines()
     logging.getLogger("qshard").addHandler(lines)

@@ -56,21 +56,24 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
         raise QShardError(f"--seq must be > 0, got {length}")
     cfg = compile_planned(cfg, triton=True)
     model = plan_model(cfg, machine.world_size)
-    planned = cfg
+    planned, settled = cfg, None
     if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
         planned = copy.deepcopy(cfg)
-        planned.parallel.ac_save_projections = _save_projections(model, cfg, machine, length)[0]
+        planned.parallel.ac_save_projections, why = _save_projections(model, cfg, machine, length)
+        settled = f"parallel.ac_save_projections auto: {why}"
     found = estimate(model, planned, machine, length)
     # The search from the settings as given: a candidate then names ac_save_projections wherever it could take
     # effect, since `qshard train` would settle `auto` again for the candidate's own settings.
     fits = _search(model, cfg, machine, length, top) if fit else None
     if as_json:
         out = {**found.to_json(), "seq": length}
+        if settled:
+            out["ac_save_projections"] = planned.parallel.ac_save_projections
         if fits is not None:
             out["fit"] = [_candidate_json(c) for c in fits[0]]
         print(json.dumps(out))
     else:
-        print("\n".join(_table(planned, model, found, length)))
+        print("\n".join(_table(planned, model, found, length, settled)))
         if fits is not None:
             print("\n".join(_fit_lines(*fits)))
     return 0
@@ -98,7 +101,8 @@ def _candidate_json(c: Candidate) -> dict:
             "peak_gpu_gib": round(c.estimate.peak_gpu_gib, 3), "peak_host_gib": round(c.estimate.peak_host_gib, 3)}
 
 
-def _table(cfg: Config, model: Skeleton, e: Estimate, seq: int) -> list[str]:
+def _table(cfg: Config, model: Skeleton, e: Estimate, seq: int, settled: str | None = None) -> list[str]:
+    """`settled`: the line saying how an `auto` setting was settled for this machine, if one was."""
     m, t = e.machine, cfg.train
     source = cfg.model.path or f"model.shape {cfg.model.shape}"
     lines = [
@@ -106,6 +110,7 @@ def _table(cfg: Config, model: Skeleton, e: Estimate, seq: int) -> list[str]:
         f"{m.nodes} node(s) x {m.gpus_per_node} {m.gpu.name} ({m.gpu.memory_gib:g} GiB)",
         f"  batch: seq {seq} x micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum} x {m.world_size} rank(s) "
         f"= {e.tokens_per_step:,} tokens per step",
+        *([f"  {settled}"] if settled else []),
         "",
         f"  {'GPU memory, the largest rank':<40}{'GiB':>9}",
     ]
