@@ -6,9 +6,8 @@ has finished it, plus the GPU's busy time and the host time inside FSDP2's hooks
 A phase whose host time is close to its wall time is bound by the host (Python, dispatch, kernel launches);
 one whose wall time is much longer waits for the GPU. The whole step is timed the same way: the host time to
 queue it (`step_issue_host_s`) against its time to the end (`step_s`). Random weights (`model.shape`) and
-random tokens: nothing is read from disk. One JSON line at the end. The trainer is built without `qshard train`'s
-prediction, so `parallel.ac_save_projections: auto` reads as off: give `--parallel.ac_save_projections true` to
-profile what the defaults run where they keep the projections.
+random tokens: nothing is read from disk. One JSON line at the end. `auto` settings are settled as `qshard train`
+settles them on this machine (`build_trainer`).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from qshard.build import build_model
 from qshard.data import IGNORE_INDEX, Example
 from qshard.data.preference import Pair
 from qshard.parallel.distributed import init_distributed
+from qshard.planner.command import preflight, this_machine
 from qshard.train.loop import Trainer
 from qshard.train.optim import clip_grad_norm
 
@@ -95,12 +95,15 @@ def _phases(trainer: Trainer, step: int) -> dict[str, tuple[float, float]]:
 def build_trainer(args: argparse.Namespace, extra: list[str], examples: int) -> Trainer:
     """The benchmarks' trainer: the named shape with random weights, LoRA r=64, batch 1, `examples` random
     examples of `args.seq` tokens (pairs of two such rows under a preference `--train.objective`), and any
-    `--section.key VALUE` options in `extra`."""
+    `--section.key VALUE` options in `extra`. Settled before the build as `qshard train` settles it on this
+    machine (on a GPU: `parallel.ac_save_projections: auto`, from the planner's prediction, under any memory cap
+    already set)."""
     overrides = [("model.shape", args.shape), ("data.max_length", str(args.seq)), ("lora.rank", "64"),
                  ("lora.alpha", "16"), ("train.micro_batch_size", "1")]
     overrides += [(extra[i][2:], extra[i + 1]) for i in range(0, len(extra), 2)]
     cfg = config_mod.resolve(None, overrides)
     env = init_distributed()
+    preflight(cfg, this_machine(env.device, env.world_size), None, None, auto_fit=False, is_main=env.is_main)
     model, _ = build_model(cfg, env, None)
     objective = cfg.train.objective
     data = _examples(examples, args.seq) if objective == "sft" else _pairs(examples, args.seq, objective == "kto")
