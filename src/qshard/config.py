@@ -269,7 +269,6 @@ class ParallelConfig:
     # long context, where attention is most of a block's forward. Costs tokens x heads x head size in the compute
     # dtype per checkpointed block (1 GiB a block for an 8B model at 128k tokens), held on the GPU.
     ac_keep_attention: bool = False
-
     # full: params, grads and optimizer state sharded (ZeRO-3); grad_op: the same, but each block keeps its
     # gathered weights from forward to backward (ZeRO-2); none: every rank holds everything (DDP-like);
     # hybrid: replicated across `replicate_degree` groups (nodes), sharded within each.

@@ -56,12 +56,12 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
         raise QShardError(f"--seq must be > 0, got {length}")
     cfg = compile_planned(cfg, triton=True)
     model = plan_model(cfg, machine.world_size)
-    planned, settled = cfg, None
+    planned, settled, found = cfg, None, None
     if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
         planned = copy.deepcopy(cfg)
-        planned.parallel.ac_save_projections, why = _save_projections(model, cfg, machine, length)
+        planned.parallel.ac_save_projections, why, found = _save_projections(model, cfg, machine, length)
         settled = f"parallel.ac_save_projections auto: {why}"
-    found = estimate(model, planned, machine, length)
+    found = found or estimate(model, planned, machine, length)
     # The search from the settings as given: a candidate then names ac_save_projections wherever it could take
     # effect, since `qshard train` would settle `auto` again for the candidate's own settings.
     fits = _search(model, cfg, machine, length, top) if fit else None
@@ -187,12 +187,13 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
     def predict() -> tuple[bool, str] | None:
         model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
         planned = compile_planned(cfg)
-        chosen = _save_projections(model, planned, machine, cfg.data.max_length) if settle else None
+        found = None
+        if settle:
+            planned.parallel.ac_save_projections, why, found = _save_projections(model, planned, machine,
+                                                                                 cfg.data.max_length)
         if not auto_fit:
-            if chosen is not None:
-                planned.parallel.ac_save_projections = chosen[0]
-            _warn_if_not_fitting(model, planned, machine)
-        return chosen
+            _warn_if_not_fitting(found or estimate(model, planned, machine, cfg.data.max_length), machine)
+        return (planned.parallel.ac_save_projections, why) if settle else None
 
     if settle:
         on, why = from_rank0(lambda: _guarded(predict), is_main) or (False, "off (the run could not be predicted)")
@@ -203,22 +204,25 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
         _guarded(predict)
 
 
-def _save_projections(model: Skeleton, cfg: Config, machine: Machine, seq: int) -> tuple[bool, str]:
-    """(whether `cfg`, compile decided, keeps its blocks' projections under `auto`, and why, in a few words): where
-    blocks are checkpointed inside their compiled graphs and the run keeping their projections is predicted to peak
-    within AUTO_SPEND_GPU_FRACTION of the GPU's memory and to fit the host's."""
+def _save_projections(model: Skeleton, cfg: Config, machine: Machine, seq: int
+                      ) -> tuple[bool, str, Estimate | None]:
+    """(whether `cfg`, compile decided, keeps its blocks' projections under `auto`, why in a few words, and the
+    prediction with them where they are kept, which is then the run's): where blocks are checkpointed inside their
+    compiled graphs and the run keeping their projections is predicted to peak within AUTO_SPEND_GPU_FRACTION of the
+    GPU's memory and to fit the host's."""
     trial = copy.deepcopy(cfg)
     trial.parallel.ac_save_projections = True
     found = estimate(model, trial, machine, seq)
     if not found.traced_checkpoints:
-        return False, "off (no block is checkpointed inside its compiled graph)"
+        return False, "off (no block is checkpointed inside its compiled graph)", None
     budget = machine.gpu.memory_gib * AUTO_SPEND_GPU_FRACTION
-    if found.peak_gpu_gib > budget or not found.fits_host:
+    if not found.fits_host:
+        return False, "off (predicted with it: over the host's memory)", None
+    if found.peak_gpu_gib > budget:
         return False, (f"off (predicted with it: {found.peak_gpu_gib:.1f} GiB per GPU, over {budget:.1f}, "
-                       f"{AUTO_SPEND_GPU_FRACTION:.0%} of the GPU's {machine.gpu.memory_gib:.1f})"
-                       if found.fits_host else "off (predicted with it: over the host's memory)")
+                       f"{AUTO_SPEND_GPU_FRACTION:.0%} of the GPU's {machine.gpu.memory_gib:.1f})"), None
     return True, (f"on (predicted with it: {found.peak_gpu_gib:.1f} GiB per GPU, within {AUTO_SPEND_GPU_FRACTION:.0%} "
-                  f"of the GPU's {machine.gpu.memory_gib:.1f})")
+                  f"of the GPU's {machine.gpu.memory_gib:.1f})"), found
 
 
 def _guarded(predict):
@@ -248,8 +252,7 @@ def _auto_fit(cfg: Config, machine: Machine, model_dir: Path | None, vocab_size:
     return chosen.overrides
 
 
-def _warn_if_not_fitting(model: Skeleton, cfg: Config, machine: Machine) -> None:
-    found = estimate(model, cfg, machine, cfg.data.max_length)
+def _warn_if_not_fitting(found: Estimate, machine: Machine) -> None:
     if not found.fits:
         log.warning("predicted not to fit: %.2f GiB per GPU of %.1f, %.1f GiB host of %.1f; `qshard plan --fit` "
                     "with the same options suggests settings that fit (or pass --auto-fit)", found.peak_gpu_gib,
