@@ -151,11 +151,11 @@ def test_inductor_gets_the_cuda_graph_options_and_graph_safe_random_state(monkey
     monkeypatch.setattr(functorch_config, "graphsafe_rng_functionalization", True)
     blocks = [nn.Linear(4, 4) for _ in range(2)]
     compile_mod.compile_blocks(blocks, "inductor", [])
-    assert [c["options"] for c in calls] == [{"combo_kernels": True}] * 2
+    assert [c["options"] for c in calls] == [compile_mod.INDUCTOR_OPTIONS] * 2
     assert functorch_config.graphsafe_rng_functionalization is cacheable
     calls.clear()
     compile_mod.compile_blocks(blocks, "inductor", [], cuda_graphs=True)
-    assert [c["options"] for c in calls] == [{"combo_kernels": True, "triton.cudagraphs": True}] * 2
+    assert [c["options"] for c in calls] == [{**compile_mod.INDUCTOR_OPTIONS, "triton.cudagraphs": True}] * 2
     assert functorch_config.graphsafe_rng_functionalization is True
 
 

@@ -26,6 +26,7 @@ from qshard.config import Config, ParallelConfig
 from qshard.errors import QShardError
 from qshard.parallel.checkpointing import traced_checkpoint
 from qshard.parallel.compile_cache import use_persistent_caches
+from qshard.parallel.grouped_matmuls import GroupSharedInputLinears
 from qshard.parallel.tiling import compile_tiles
 from qshard.quant import QuantizedLinear
 
@@ -35,7 +36,8 @@ AUTO = "auto"
 
 # Inductor's options for the blocks. Combo kernels launch independent small kernels of a graph as one (the
 # casts of a block's fp32 LoRA weights to bf16, for one): fewer launches, where the step is bound by the host's.
-INDUCTOR_OPTIONS = {"combo_kernels": True}
+# The pre-grad pass computes the adapters' A factors of layers that share an input as one matmul (grouped_matmuls.py).
+INDUCTOR_OPTIONS = {"combo_kernels": True, "pre_grad_custom_pass": GroupSharedInputLinears()}
 # parallel.cuda_graphs: inductor's CUDA graph trees. Each shape a block sees is recorded once, so the trainer pads
 # every micro-batch to data.max_length (train/loop.py); generation runs eagerly (train/samples.py). Not with
 # inductor's option to skip graphs of dynamic shapes: it splits static graphs too, into partitions whose inputs are
