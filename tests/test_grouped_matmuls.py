@@ -28,6 +28,7 @@ class _Grouping:
             for module in gm.modules():
                 if isinstance(module, fx.GraphModule):
                     self.made.append(group_shared_input_linears(module.graph))
+                    module.graph.lint()  # every node after its inputs (inductor would sort them; aot_eager does not)
                     module.recompile()
         return aot_eager(gm, inputs)
 
@@ -88,6 +89,71 @@ def test_only_adapter_linears_of_one_input_are_grouped():
         torch._dynamo.reset()
     sizes = sorted(n.args[1] for n in graph if n.target is torch.split)
     assert sizes == [[1, 1], [4, 6, 4]], sizes  # c1, c2; a1, a2 and the a5 after the no_grad region
+
+
+def _setitem(x, a, b, dt):
+    h = x * 1
+    p = F.linear(h, a.to(dt))
+    h[0] = 0
+    return p, F.linear(h, b.to(dt))
+
+
+def _relu_in_place(x, a, b, dt):
+    h = x * 1
+    p = F.linear(h, a.to(dt))
+    F.relu(h, inplace=True)
+    return p, F.linear(h, b.to(dt))
+
+
+def _weight_written_after_its_cast(x, a, b, dt):
+    w = b.to(dt)
+    with torch.no_grad():
+        b.mul_(0)
+    return F.linear(x, a.to(dt)), F.linear(x, w)
+
+
+def _cast_to_a_later_tensor(x, a, b, dt):
+    p = F.linear(x, a.to(dt))
+    t = x.sum() * 0 + 1
+    return p, F.linear(x, b.to(t))
+
+
+def _linear_under_no_grad(x, a, b, dt):
+    w = b.to(dt)
+    p = F.linear(x, a.to(dt))
+    with torch.no_grad():
+        return p, F.linear(x, w)
+
+
+def _output_written(x, a, b, dt):
+    p, q = F.linear(x, a.to(dt)), F.linear(x, b.to(dt))
+    return p, q.mul_(2)
+
+
+# Which of x, a and b require grad: none where backward would read a tensor the hazard writes into.
+@pytest.mark.parametrize(("hazard", "needs_grad"), [
+    (_setitem, ()), (_relu_in_place, ()), (_weight_written_after_its_cast, ()), (_cast_to_a_later_tensor, "ab"),
+    (_linear_under_no_grad, "b"), (_output_written, "ab")])
+def test_linears_a_write_or_grad_mode_sets_apart_are_not_grouped(hazard, needs_grad):
+    """Two adapter-like linears of one input that the pass would group but for a write into a tensor between them (or
+    into the output it would split), a cast reading a tensor made after the first, or the second run under no_grad
+    with an input that needs gradients: left as they are, and computing what eager computes."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 32, generator=g, dtype=torch.float64)
+    a, b = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    x, a, b = (t.requires_grad_(name in needs_grad) for name, t in zip("xab", (x, a, b), strict=True))
+    backend = _Grouping(group=True)
+    expected = hazard(x, a.detach().clone().requires_grad_(a.requires_grad),
+                      b.detach().clone().requires_grad_(b.requires_grad), torch.float64)
+    try:
+        got = torch.compile(hazard, backend=backend)(x, a, b, torch.float64)
+    finally:
+        torch._dynamo.reset()
+    assert backend.made and not any(backend.made), backend.made
+    for g_, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g_, e)
+        assert g_.requires_grad == e.requires_grad
 
 
 _COMPILE = torch.compile

@@ -10,7 +10,8 @@ Done on the compiled graph, before autograd is traced (inductor's pre-grad pass)
 checkpoints stay as they are: only the compiled code changes. What is grouped is what an adapter computes: a linear
 without bias whose weight is a parameter cast to the compute dtype (`LoRALinear.forward`, `DoRALinear.forward`) and
 at most half as wide as its input. Base layers are not: a dense one passes its weight uncast (and a bias argument),
-a quantized one a dequantized weight, and concatenating full weights would copy them at every step.
+a quantized one a dequantized weight, and concatenating full weights would copy them at every step. Nothing is
+grouped with LoRA dropout, where each adapter reads its own dropout's output.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ log = logging.getLogger("qshard")
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                        operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
-                       operator.ilshift, operator.irshift)
+                       operator.ilshift, operator.irshift, operator.setitem)
 
 
 def _example(node: fx.Node) -> torch.Tensor | None:
@@ -38,26 +39,40 @@ def _example(node: fx.Node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _in_place(node: fx.Node) -> bool:
-    """An in-place op (a tensor method or torch function named with a trailing underscore, `x += y`): it could
-    change a later linear's input or weight. Python's `operator.and_` and its like are not in place."""
+def _mutates(node: fx.Node) -> bool:
+    """Whether `node` may write into a tensor, which could change a later linear's input or weight: a method or
+    function named with a trailing underscore, `x += y`, `x[i] = y`, an op whose schema mutates, `inplace=True`, an
+    `out=` argument, a module call. Conservative: Python's `operator.and_` and its like are pure, the rest is judged by
+    those signs."""
+    if node.op == "call_module":
+        return True
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if node.kwargs.get("inplace") or "out" in node.kwargs:
+        return True
     if node.op == "call_method":
         name = node.target
-    elif node.op == "call_function":
-        if node.target in _IN_PLACE_OPERATORS:
+        if name == "__setitem__" or name.startswith("__i"):
             return True
-        if getattr(node.target, "__module__", None) in ("_operator", "operator"):
-            return False
-        name = getattr(node.target, "__name__", "")
     else:
-        return False
+        target = node.target
+        if target in _IN_PLACE_OPERATORS:
+            return True
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            return any(getattr(target, o)._schema.is_mutable for o in target.overloads())
+        if isinstance(target, torch._ops.OpOverload):
+            return target._schema.is_mutable
+        if getattr(target, "__module__", None) in ("_operator", "operator"):
+            return False
+        name = getattr(target, "__name__", "")
     return name.endswith("_") and not name.endswith("__")
 
 
 def _adapter_factor(node: fx.Node) -> torch.Tensor | None:
     """The weight of `node` if it computes an adapter's low-rank input: a linear of two arguments (no bias) whose
-    weight is a graph input (a parameter) cast by `.to`, with static dimensions and at most half as many rows
-    as columns. Else None."""
+    weight is a graph input (a parameter) cast by `.to` (of nothing else from the graph), with static dimensions and
+    at most half as many rows as columns; under the grad mode of its cast; its output not modified in place (the split
+    that replaces it returns views autograd would refuse to let change). Else None."""
     if node.op != "call_function" or node.target not in _LINEAR or len(node.args) != 2 or node.kwargs:
         return None
     x, weight = node.args
@@ -65,45 +80,56 @@ def _adapter_factor(node: fx.Node) -> torch.Tensor | None:
         return None
     if weight.op != "call_method" or weight.target != "to" or len(weight.users) != 1:
         return None
-    source = weight.args[0]
-    if not isinstance(source, fx.Node) or source.op != "placeholder":
+    sources = weight.all_input_nodes
+    if sources[:1] != [weight.args[0]] or any(n.op != "placeholder" for n in sources):
         return None
-    value, parameter = _example(weight), _example(source)
-    if value is None or parameter is None or value.dim() != 2 or not all(isinstance(d, int) for d in value.shape):
+    value, parameter, inputs, output = _example(weight), _example(sources[0]), _example(x), _example(node)
+    if any(t is None for t in (value, parameter, inputs, output)):
         return None
-    if value.requires_grad != parameter.requires_grad:  # cast under no_grad: moved, it would carry a gradient
+    if value.dim() != 2 or not all(isinstance(d, int) for d in value.shape):
+        return None
+    # A cast or linear run under no_grad, with inputs that need gradients: grouped, it would pass them.
+    if value.requires_grad != parameter.requires_grad or output.requires_grad != (inputs.requires_grad or
+                                                                                  value.requires_grad):
+        return None
+    if any(_mutates(user) for user in node.users):
         return None
     return value if 2 * value.shape[0] <= value.shape[1] else None
 
 
 def _groups(graph: fx.Graph) -> list[list[tuple[fx.Node, torch.Tensor]]]:
     """The adapter linears of `graph` that may become one, in graph order, at least two a group: the same input, the
-    same weight dtype and device, outputs alike (dtype: the same autocast state; requires_grad: the same grad mode,
-    since a linear under no_grad, grouped with others, would pass gradients), no in-place op between them."""
+    same weight dtype and device, outputs of one dtype (one autocast state) and alike in requires_grad, and no write
+    into any tensor between them and their casts (`_mutates`)."""
     found: dict[tuple, list[tuple[fx.Node, torch.Tensor]]] = {}
-    mutations = 0
+    writes, writes_before = 0, {}
     for node in graph.nodes:
-        if _in_place(node):
-            mutations += 1
+        if _mutates(node):
+            writes += 1
             continue
+        writes_before[node] = writes
         weight = _adapter_factor(node)
-        output = _example(node) if weight is not None else None
-        if output is not None:
-            key = (node.args[0], weight.dtype, weight.device, output.dtype, output.requires_grad, mutations)
+        if weight is not None and writes_before[node.args[1]] == writes:
+            output = _example(node)
+            key = (node.args[0], weight.dtype, weight.device, output.dtype, output.requires_grad, writes)
             found.setdefault(key, []).append((node, weight))
     return [members for members in found.values() if len(members) > 1]
 
 
 def _group(graph: fx.Graph, members: list[tuple[fx.Node, torch.Tensor]]) -> bool:
-    """Replace `members` by one linear over their concatenated weights and a split, at the first one's place, the later
-    ones' casts moved up there (each reads a parameter, which exists from the graph's start). False where together
-    they are no longer narrow (the traced checkpoint's policy would then treat the matmul as a widening one)."""
+    """Replace `members` by one linear over their concatenated weights and a split, at the first one's place; the casts
+    of later ones that come after it move up there (a cast reads only a graph input, and no write lies between it and
+    the first linear: `_groups`). False where together they are wider than half their input: stricter than the
+    traced checkpoint's rule for a narrowing matmul (parallel/checkpointing.py), so the fused output is kept for
+    backward under `ac_save_projections` as its members' were."""
     if 2 * sum(weight.shape[0] for _, weight in members) > members[0][1].shape[1]:
         return False
     first = members[0][0]
     x = first.args[0]
+    order = {node: i for i, node in enumerate(graph.nodes)}
     for node, _ in members[1:]:
-        first.prepend(node.args[1])
+        if order[node.args[1]] > order[first]:
+            first.prepend(node.args[1])
     with graph.inserting_before(first):
         weight = graph.call_function(torch.cat, ([node.args[1] for node, _ in members],), {"dim": 0})
         fused = graph.call_function(torch._C._nn.linear, (x, weight))
