@@ -1,0 +1,162 @@
+"""One transformer block's seven LoRA linears side by side, on a GPU: the forms a block's adapters can take, forward +
+backward of all seven at a Llama-3-8B block's shapes (hidden 4,096, 1,024 for k/v, MLP 14,336; LoRA r=64) over
+`--tokens` tokens, compiled as blocks are. The base weights are given dense in bf16 (the NF4 dequantization that
+produces them is the same in every form and left out). Prints ms per block and each form's largest difference from
+the first form's outputs and gradients.
+
+- separate: each adapter as LoRALinear computes it, base(x) + B (A x) scaled;
+- A grouped: the same code compiled with qshard's pre-grad pass (parallel/grouped_matmuls.py), which concatenates
+  the A factors of q/k/v and of gate/up: what compiled blocks run;
+- B folded: the adapter's B joins the base matmul along its contraction, y = [x, s A x] [W, B]^T, so forward runs one
+  matmul for base and B, and backward one for the input's gradient and A x's (`FoldedB`); the widened weight is
+  built by a copy of W each step (what it costs without a dequantization kernel that writes into it);
+- B folded, weight prebuilt: the same with [W, B] given, as if the dequantization wrote W into it: the bound of the
+  gain.
+
+    python3 benchmarks/lora_kernels.py [--tokens 2048 8192] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+import torch.nn.functional as F
+
+# name: (in, out, which input); a block's q/k/v read the attention's normed input, gate/up the MLP's.
+LLAMA3_8B = {"q": (4096, 4096, "attn"), "k": (4096, 1024, "attn"), "v": (4096, 1024, "attn"),
+             "o": (4096, 4096, "o"), "gate": (4096, 14336, "mlp"), "up": (4096, 14336, "mlp"),
+             "down": (14336, 4096, "down")}
+
+
+class FoldedB(torch.autograd.Function):
+    """y = [x, low] [W, B]^T for a frozen W: forward one matmul; backward one for the gradients of x and low together,
+    and B's own from low. `wide` is [W, B] prebuilt, or None to build it here."""
+
+    @staticmethod
+    def forward(ctx, x, low, weight, b, wide):
+        if wide is None:
+            wide = torch.cat([weight, b], dim=1)
+        ctx.save_for_backward(low, wide)
+        return F.linear(torch.cat([x, low], dim=-1), wide)
+
+    @staticmethod
+    def backward(ctx, grad):
+        low, wide = ctx.saved_tensors
+        both = grad @ wide
+        cut = wide.shape[1] - low.shape[-1]
+        grad_b = grad.reshape(-1, grad.shape[-1]).t() @ low.reshape(-1, low.shape[-1])
+        return both[..., :cut], both[..., cut:], None, grad_b, None
+
+
+def make_block(shapes: dict, rank: int, device: str, seed: int = 0) -> dict:
+    """Per linear: the frozen base weight (bf16), A and B (fp32 masters, B non-zero so A has a gradient), and [W, B]
+    prebuilt in bf16."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    block = {}
+    for name, (n_in, n_out, _) in shapes.items():
+        weight = (torch.randn(n_out, n_in, generator=g) / n_in**0.5).to(device, torch.bfloat16)
+        a = (torch.randn(rank, n_in, generator=g) / n_in**0.5).to(device).requires_grad_()
+        b = (torch.randn(n_out, rank, generator=g) * 0.05).to(device).requires_grad_()
+        block[name] = (weight, a, b)
+    return block
+
+
+def make_inputs(shapes: dict, tokens: int, device: str, seed: int = 1) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    widths = {source: n_in for n_in, _, source in shapes.values()}
+    return {source: torch.randn(tokens, width, generator=g).to(device, torch.bfloat16).requires_grad_()
+            for source, width in widths.items()}
+
+
+def separate(shapes, block, inputs, scaling):
+    outs = []
+    for name, (_, _, source) in shapes.items():
+        weight, a, b = block[name]
+        x = inputs[source]
+        outs.append(F.linear(x, weight) + F.linear(F.linear(x, a.to(x.dtype)), (b * scaling).to(x.dtype)))
+    return outs
+
+
+def folded(shapes, block, inputs, scaling, prebuilt=None):
+    outs = []
+    for name, (_, _, source) in shapes.items():
+        weight, a, b = block[name]
+        x = inputs[source]
+        low = F.linear(x, a.to(x.dtype))
+        b16 = (b * scaling).to(x.dtype)
+        wide = None if prebuilt is None else prebuilt[name]
+        outs.append(FoldedB.apply(x, low, weight, b16, wide))
+    return outs
+
+
+def prebuild(shapes, block, scaling) -> dict:
+    """[W, B] per linear, written once (B's values of now; for timing, what a dequantization kernel would write)."""
+    with torch.no_grad():
+        return {name: torch.cat([w, (b * scaling).to(w.dtype)], dim=1) for name, (w, _, b) in block.items()}
+
+
+def step(form, inputs, params):
+    for t in (*inputs.values(), *params):
+        t.grad = None
+    sum(out.float().sum() for out in form()).backward()
+
+
+def results(form, inputs, params):
+    step(form, inputs, params)
+    outs = [o.detach().float() for o in form()]
+    return outs, [t.grad.float() for t in (*inputs.values(), *params)]
+
+
+def forms(shapes, block, inputs, scaling, backend: str) -> dict:
+    """The forms to compare, each a no-argument callable returning the seven outputs."""
+    from qshard.parallel.compile import INDUCTOR_OPTIONS
+
+    def compiled(fn, grouped: bool):
+        if backend == "eager":
+            return fn
+        options = None
+        if backend == "inductor":
+            options = INDUCTOR_OPTIONS if grouped else {k: v for k, v in INDUCTOR_OPTIONS.items()
+                                                        if k != "pre_grad_custom_pass"}
+        return torch.compile(fn, backend=backend, options=options)
+
+    wide = prebuild(shapes, block, scaling)
+    return {
+        "separate": functools.partial(compiled(separate, False), shapes, block, inputs, scaling),
+        "A grouped": functools.partial(compiled(separate, True), shapes, block, inputs, scaling),
+        "B folded": functools.partial(compiled(folded, True), shapes, block, inputs, scaling),
+        "B folded, weight prebuilt": functools.partial(compiled(folded, True), shapes, block, inputs, scaling, wide),
+    }
+
+
+def main() -> None:
+    from dequant_kernels import time_ms  # benchmarks/, on the path when run as a script
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--alpha", type=float, default=16.0)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--backend", default="inductor", help="inductor (as blocks run), aot_eager or eager")
+    args = p.parse_args()
+    scaling = args.alpha / args.rank
+    block = make_block(LLAMA3_8B, args.rank, "cuda")
+    params = [t for _, a, b in block.values() for t in (a, b)]
+    print("| tokens | form | forward + backward ms (one block) | output diff | gradient diff (relative) |")
+    print("| --- | --- | --- | --- | --- |")
+    for tokens in args.tokens:
+        inputs = make_inputs(LLAMA3_8B, tokens, "cuda")
+        reference = None
+        for name, form in forms(LLAMA3_8B, block, inputs, scaling, args.backend).items():
+            outs, grads = results(form, inputs, params)
+            reference = reference or (outs, grads)
+            out_diff = max((o - r).abs().max().item() for o, r in zip(outs, reference[0], strict=True))
+            grad_diff = max(((g - r).norm() / r.norm()).item() for g, r in zip(grads, reference[1], strict=True))
+            ms = time_ms(functools.partial(step, form, inputs, params), args.iters)
+            print(f"| {tokens:,} | {name} | {ms:.3f} | {out_diff:.3g} | {grad_diff:.2e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""benchmarks/lora_kernels.py's forms of a block's adapters on the CPU, at tiny shapes: each computes the outputs and
+gradients of the separate form (the benchmark's timings compare like with like)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import lora_kernels  # noqa: E402
+
+SHAPES = {"q": (32, 32, "attn"), "k": (32, 8, "attn"), "o": (32, 32, "o"), "up": (32, 64, "mlp"),
+          "down": (64, 32, "down")}
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_every_form_computes_the_separate_adapters(backend):
+    block = lora_kernels.make_block(SHAPES, rank=4, device="cpu")
+    inputs = lora_kernels.make_inputs(SHAPES, tokens=16, device="cpu")
+    params = [t for _, a, b in block.values() for t in (a, b)]
+    try:
+        forms = lora_kernels.forms(SHAPES, block, inputs, scaling=2.0, backend=backend)
+        (outs, grads), *others = [lora_kernels.results(form, inputs, params) for form in forms.values()]
+    finally:
+        torch._dynamo.reset()
+    assert len(others) == 3 and len(grads) == len(inputs) + len(params)
+    for other_outs, other_grads in others:
+        for got, want in zip(other_outs + other_grads, outs + grads, strict=True):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
