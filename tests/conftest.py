@@ -38,6 +38,19 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+def nonzero_lora_b(model) -> None:
+    """Give every LoRA B factor small random values: B starts at zero, which would hide A's gradient (and any wrong
+    input of A's). For a model on one rank (an FSDP2 parameter's shard is then the whole), on any device."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                local = p.to_local() if isinstance(p, DTensor) else p
+                local.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "qshard", *args]
 

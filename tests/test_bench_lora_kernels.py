@@ -3,14 +3,9 @@ gradients of the separate form (the benchmark's timings compare like with like).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import lora_kernels  # benchmarks/, on the path (conftest.py)
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import lora_kernels  # noqa: E402
 
 SHAPES = {"q": (32, 32, "attn"), "k": (32, 8, "attn"), "o": (32, 32, "o"), "up": (32, 64, "mlp"),
           "down": (64, 32, "down")}

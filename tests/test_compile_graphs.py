@@ -8,11 +8,11 @@ import weakref
 from collections import Counter
 
 import torch
+from conftest import nonzero_lora_b
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._inductor.decomposition import select_decomp_table
-from torch.distributed.tensor import DTensor
 
 from qshard.build import build_model
 from qshard.config import Config
@@ -36,11 +36,7 @@ def _tiny_qlora(dist_env, model_dir, compiled: bool, backend: str = "aot_eager",
     torch.manual_seed(0)
     model, _ = build_model(cfg.validate(), dist_env, model_dir)
     model.train()
-    with torch.no_grad():  # B starts at zero, which would hide A's gradient
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                local = p.to_local() if isinstance(p, DTensor) else p  # FSDP2's shard (the whole, on one rank)
-                local.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    nonzero_lora_b(model)
     return model
 
 

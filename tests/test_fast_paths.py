@@ -9,6 +9,7 @@ from importlib import resources
 
 import pytest
 import torch
+from conftest import nonzero_lora_b
 from torch.distributed.tensor import DTensor
 
 from qshard.build import build_model
@@ -220,10 +221,7 @@ def test_traced_checkpoint_keeps_the_narrowing_projections_and_computes_the_same
         try:
             model = _tiny_qlora(dist_env, model_dir, compile=True, compile_backend="aot_eager",
                                 ac_save_projections=save)
-            with torch.no_grad():  # B starts at zero, which would hide A's gradient
-                for n, p in model.named_parameters():
-                    if "lora_B" in n:
-                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)  # any device
+            nonzero_lora_b(model)
             kept[save] = _kept_activation_bytes(model, batch)
             model(**batch, use_cache=False).logits.float().square().mean().backward()
         finally:
@@ -316,10 +314,7 @@ def test_compiled_checkpointed_blocks_reuse_their_dropout_masks(dist_env, tiny_m
         torch.manual_seed(0)
         model, _ = build_model(cfg.validate(), dist_env, model_dir)
         model.train()
-        with torch.no_grad():  # B starts at zero, which would hide A's gradient and any wrong mask in it
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)  # any device
+        nonzero_lora_b(model)
         torch.manual_seed(7)
         try:
             model(**batch, use_cache=False).logits.float().square().mean().backward()

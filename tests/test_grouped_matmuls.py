@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import nonzero_lora_b
 from torch._dynamo.backends.debugging import aot_eager
 
 from qshard.build import build_model
@@ -167,10 +168,7 @@ def _tiny(dist_env, model_dir, train_type: str, backend: _Grouping, monkeypatch)
     torch.manual_seed(0)
     model, _ = build_model(cfg.validate(), dist_env, model_dir)
     model.train()
-    with torch.no_grad():  # B starts at zero, which would hide A's gradient
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    nonzero_lora_b(model)
     return model
 
 
