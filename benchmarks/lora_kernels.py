@@ -12,6 +12,8 @@ the first form's outputs and gradients.
   built by a copy of W each step (what it costs without a dequantization kernel that writes into it);
 - B folded, weight prebuilt: the same with [W, B] given, as if the dequantization wrote W into it: the bound of the
   gain.
+Both B-folded forms are compiled with the pre-grad pass too: compare them with "A grouped". The pass runs only where
+inductor compiles the graph anew (a cache hit loads it), so run this with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1.
 
     python3 benchmarks/lora_kernels.py [--tokens 2048 8192] [--iters 20]
 """
@@ -120,7 +122,7 @@ def forms(shapes, block, inputs, scaling, backend: str) -> dict:
         if backend == "inductor":
             options = INDUCTOR_OPTIONS if grouped else {k: v for k, v in INDUCTOR_OPTIONS.items()
                                                         if k != "pre_grad_custom_pass"}
-        return torch.compile(fn, backend=backend, options=options)
+        return torch.compile(fn, backend=backend, options=options, dynamic=False)  # static, as padded training runs
 
     wide = prebuild(shapes, block, scaling)
     return {
@@ -147,6 +149,7 @@ def main() -> None:
     print("| tokens | form | forward + backward ms (one block) | output diff | gradient diff (relative) |")
     print("| --- | --- | --- | --- | --- |")
     for tokens in args.tokens:
+        torch._dynamo.reset()  # each size its own static graphs
         inputs = make_inputs(LLAMA3_8B, tokens, "cuda")
         reference = None
         for name, form in forms(LLAMA3_8B, block, inputs, scaling, args.backend).items():
