@@ -19,10 +19,25 @@ def _plan(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-# fp32 block scales and recomputed projections: the measurements below were made before the autos of
-# quant.double_quant and parallel.ac_save_projections turned them on.
+# fp32 block scales, recomputed projections, blocks launched kernel by kernel: the measurements below were made
+# before the autos of quant.double_quant, parallel.ac_save_projections and parallel.cuda_graphs turned them on.
 H200_8B = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "64", "--quant.double_quant", "false",
-           "--parallel.ac_save_projections", "false"]
+           "--parallel.ac_save_projections", "false", "--parallel.cuda_graphs", "false"]
+
+
+def test_plan_settles_cuda_graphs_auto_for_rows_of_the_planned_length(capsys):
+    """As `qshard train` would for full rows of --seq tokens (data.max_length aside): on at 2,048, off at 8,192 (a
+    micro-batch that long launches its kernels faster than they run) and on more than one GPU; said in the table."""
+    base = ["--model.shape", "llama3-8b", "--gpu-kind", "h200"]
+    assert _plan(capsys, *base, "--seq", "2048")["cuda_graphs"] is True
+    assert _plan(capsys, *base, "--seq", "8192")["cuda_graphs"] is False
+    assert _plan(capsys, *base, "--seq", "2048", "--gpus", "2")["cuda_graphs"] is False
+    assert "cuda_graphs" not in _plan(capsys, *base, "--seq", "2048", "--parallel.cuda_graphs", "false")
+    on = _plan(capsys, *base, "--seq", "2048")
+    off = _plan(capsys, *base, "--seq", "2048", "--parallel.cuda_graphs", "false")
+    assert on["tok_s"] >= off["tok_s"]
+    assert main(["plan", *base, "--seq", "2048"]) == 0
+    assert "parallel.cuda_graphs auto: on" in capsys.readouterr().out
 
 
 # (options, measured peak GiB, measured tok/s or None): Llama-3-8B shape, LoRA r=64 on every block linear. The
@@ -306,7 +321,9 @@ def test_a_pair_objective_plans_two_rows_per_example(capsys):
     """DPO's micro-batch of one pair runs its chosen and rejected rows in one forward: the activations of two."""
     sft = _plan(capsys, *H200_8B, "--seq", "2048", "--parallel.compile", "true")
     dpo = _plan(capsys, *H200_8B, "--seq", "2048", "--parallel.compile", "true", "--train.objective", "dpo")
-    both = _plan(capsys, *H200_8B, "--seq", "2048", "--parallel.compile", "true", "--batch-size", "2")
+    # Like for like: sft rows of 2,048 tokens would replay as CUDA graphs (parallel.cuda_graphs auto), pairs do not.
+    both = _plan(capsys, *H200_8B, "--seq", "2048", "--parallel.compile", "true", "--batch-size", "2",
+                 "--parallel.cuda_graphs", "false")
     assert dpo["peak_gpu_gib"] == pytest.approx(both["peak_gpu_gib"]) and dpo["peak_gpu_gib"] > sft["peak_gpu_gib"]
     # measured on one H200 (docs/benchmarks.md): 8B DPO, 1,024 + 1,024 tokens per row, 10.08 GiB, 0.468 s a pair
     # (8,752 tok/s of its two rows), the reference's forward included

@@ -301,8 +301,11 @@ class ParallelConfig:
     # block's forward or backward in one call instead of kernel by kernel, and the gaps between kernels close.
     # Only for blocks checkpointed inside their compiled graph (one device, an adapter train type, no LoRA
     # dropout; parallel/compile.py) and train.objective sft. Every micro-batch is padded to data.max_length (a
-    # graph is recorded per shape): for rows near that length, or packed.
-    cuda_graphs: bool = False
+    # graph is recorded per shape): for rows near that length, or packed. auto: on where it can run and pays,
+    # where the training rows fill data.max_length and a micro-batch is short enough that launching its kernels
+    # one by one costs a share of the step (parallel/compile.py, cuda_graphs_choice); off elsewhere (and in code
+    # that builds a model without that decision).
+    cuda_graphs: Literal["auto", True, False] = "auto"
     # Run each block's MLP this many tokens at a time, forward and (recomputing each tile) backward, so that
     # its [tokens, intermediate_size] activations exist for one tile only; 0: the whole sequence at once.
     mlp_tile_tokens: int = 0
@@ -314,6 +317,10 @@ class ParallelConfig:
     def saves_projections(self) -> bool:
         """Whether blocks keep their projections (ac_save_projections): `auto` not yet settled reads as off."""
         return self.ac_save_projections is True
+
+    def replays_graphs(self) -> bool:
+        """Whether compiled blocks replay as CUDA graphs (cuda_graphs): `auto` not yet settled reads as off."""
+        return self.cuda_graphs is True
 
 
 @dataclass
@@ -661,8 +668,10 @@ class Config:
             unmet = checkpoint_trace_unmet(p, self.train.train_type, self.lora.dropout, p.nproc)
             if unmet:
                 raise QShardError(f"parallel.ac_save_projections: has no effect without {unmet[0]}")
-        if p.cuda_graphs:
-            self._validate_cuda_graphs()
+        if p.cuda_graphs is True:
+            unmet = self.cuda_graphs_unmet(p.nproc)
+            if unmet:
+                raise QShardError(f"parallel.cuda_graphs: {unmet[0]}")
         self._validate_mlp_tiles()
         self._validate_resident_blocks()
         if p.overlap_host_optimizer and not p.cpu_offload:
@@ -682,29 +691,32 @@ class Config:
                 "(parallel.nproc) into equal shard groups"
             )
 
-    def _validate_cuda_graphs(self) -> None:
-        p = self.parallel
+    def cuda_graphs_unmet(self, world_size: int) -> list[str]:
+        """Why the compiled blocks of a run of these options on `world_size` processes could not replay as CUDA
+        graphs, in order (empty: they can where the blocks compile): the config's refusal of parallel.cuda_graphs
+        true, and what keeps `auto` off (parallel/compile.py, cuda_graphs_choice)."""
+        p, unmet = self.parallel, []
         if p.compile is False or p.compile_backend != "inductor":
-            raise QShardError("parallel.cuda_graphs: replays the kernels inductor generates for compiled blocks; "
-                              "needs parallel.compile (true or auto) and parallel.compile_backend inductor")
+            unmet.append("replays the kernels inductor generates for compiled blocks; needs parallel.compile (true "
+                         "or auto) and parallel.compile_backend inductor")
         # A block checkpointed by hooks replays its graph for the recompute while the outputs of the first replay
         # are still in use, which CUDA graph trees refuse (docs/benchmarks-history.md); traced, it has no replay.
-        unmet = checkpoint_trace_unmet(p, self.train.train_type, self.lora.dropout, p.nproc)
+        traced = checkpoint_trace_unmet(p, self.train.train_type, self.lora.dropout, world_size)
         if p.ac_reentrant:  # compile auto would not compile (parallel/compile.py, compile_choice)
-            unmet.insert(0, "parallel.ac_reentrant false")
-        if unmet:
-            raise QShardError(f"parallel.cuda_graphs: needs blocks checkpointed inside their compiled graphs, "
-                              f"which needs {unmet[0]}")
+            traced.insert(0, "parallel.ac_reentrant false")
+        if traced:
+            unmet.append(f"needs blocks checkpointed inside their compiled graphs, which needs {traced[0]}")
         if self.train.objective != "sft":
             # Pairs come in rows of many widths, each of which would record the blocks' graphs again; sft rows are
             # padded to data.max_length instead (train/loop.py).
-            raise QShardError(f"parallel.cuda_graphs: for train.objective sft only (not {self.train.objective}): "
-                              "preference pairs come in rows of varying width, each recorded as graphs of its own")
+            unmet.append(f"for train.objective sft only (not {self.train.objective}): preference pairs come in "
+                         "rows of varying width, each recorded as graphs of its own")
         if p.activation_offload:
             # Its copies to the host read saved tensors on a side stream; in a graph's memory pool those do not own
             # their memory, so a later replay could overwrite one before its copy is done.
-            raise QShardError("parallel.cuda_graphs: not with parallel.activation_offload (its copies of the saved "
-                              "tensors could race the next graph replay); turn one of them off")
+            unmet.append("not with parallel.activation_offload (its copies of the saved tensors could race the next "
+                         "graph replay); turn one of them off")
+        return unmet
 
     def _validate_resident_blocks(self) -> None:
         p = self.parallel

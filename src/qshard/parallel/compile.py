@@ -19,6 +19,7 @@ import importlib.util
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -43,6 +44,16 @@ INDUCTOR_OPTIONS = {"combo_kernels": True, "pre_grad_custom_pass": GroupSharedIn
 # inductor's option to skip graphs of dynamic shapes: it splits static graphs too, into partitions whose inputs are
 # copied at every replay (docs/benchmarks-history.md).
 CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True}
+# parallel.cuda_graphs auto: on where the training rows hold at least this share of the tokens that padding each to
+# data.max_length makes (so the padding costs at most ~5% more compute), and a micro-batch is at most this many
+# tokens: above it the host launches a block's kernels faster than the GPU runs them, and graphs save nothing
+# (docs/benchmarks.md has the measurements).
+GRAPH_ROWS_FILLED = 0.95
+GRAPH_MAX_TOKENS = 4096
+# ... and where the run has at least this many micro-batches: recording the graphs (and, where torch cannot cache
+# graphs with graph-safe random state, compiling the blocks again in each run: `keep_graphs_cacheable`) costs about
+# as much start-up time as this many micro-batches save.
+GRAPH_MIN_MICRO_BATCHES = 1000
 
 
 def compile_blocks(
@@ -85,14 +96,14 @@ def check_cuda_graphs(parallel: ParallelConfig, device: torch.device, traced: in
         raise QShardError(f"parallel.cuda_graphs: needs every checkpointed block checkpointed inside its compiled "
                           f"graph; here {traced} of {checkpointed} are: only blocks used in place on one device are "
                           "(not blocks in FSDP2 units, as with more than one process; the log line on blocks used in "
-                          "place says which)")
+                          "place says which); set parallel.cuda_graphs false to run without it")
 
 
 def step_marker(parallel: ParallelConfig) -> Callable[[], None]:
     """What each optimizer step and evaluation calls first: under parallel.cuda_graphs, torch's mark that a step
     begins (the outputs of the last step's graph replays may be overwritten from then on, and no later); otherwise
     nothing."""
-    return torch.compiler.cudagraph_mark_step_begin if parallel.cuda_graphs else _nothing
+    return torch.compiler.cudagraph_mark_step_begin if parallel.replays_graphs() else _nothing
 
 
 def _nothing() -> None:
@@ -212,3 +223,52 @@ def decide_compile(cfg: Config, device: torch.device, log_it: bool) -> Config:
     if log_it and cfg.parallel.compile == AUTO:
         log.info(why)
     return with_compile_decided(cfg, compiled)
+
+
+def cuda_graphs_choice(cfg: Config, device: torch.device, world_size: int, lengths: Callable[[], np.ndarray],
+                       micro_batches: int | None, traced: Callable[[], bool] | None = None,
+                       triton: bool | None = None) -> tuple[bool, str]:
+    """Whether this run replays its compiled blocks as CUDA graphs, and why: `auto` where they can (compiled on this
+    device, checkpointed inside their graphs: Config.cuda_graphs_unmet, then `traced()`, which asks the model, when
+    given) and pay: the training rows (`lengths()`, tokens each) nearly fill data.max_length, which every
+    micro-batch is padded to, a micro-batch is short, and the run's `micro_batches` left (None: not known, not
+    considered) repay the start-up (`GRAPH_ROWS_FILLED`, `GRAPH_MAX_TOKENS`, `GRAPH_MIN_MICRO_BATCHES`). The costly
+    questions, `lengths` and `traced`, are asked last."""
+    p = cfg.parallel
+    if p.cuda_graphs != AUTO:
+        return p.cuda_graphs, f"parallel.cuda_graphs {str(p.cuda_graphs).lower()}"
+    compiled, _ = compile_choice(p, device, triton)
+    unmet = ([] if compiled else ["the blocks are not compiled here"]) + cfg.cuda_graphs_unmet(world_size)
+    if device.type != "cuda":
+        unmet.insert(0, f"computes on {device.type}")
+    if unmet:
+        return False, f"parallel.cuda_graphs auto: off, {unmet[0]}"
+    tokens = cfg.data.max_length * cfg.train.micro_batch_size
+    if tokens > GRAPH_MAX_TOKENS:
+        return False, (f"parallel.cuda_graphs auto: off, a micro-batch of {tokens:,} tokens (data.max_length x "
+                       f"train.micro_batch_size) launches its kernels faster than they run")
+    if micro_batches is not None and micro_batches < GRAPH_MIN_MICRO_BATCHES:
+        return False, (f"parallel.cuda_graphs auto: off, the run's {micro_batches:,} micro-batches would not repay "
+                       f"the graphs' start-up (seconds; from {GRAPH_MIN_MICRO_BATCHES:,} they do)")
+    rows = lengths()
+    filled = float(rows.mean()) / cfg.data.max_length if len(rows) else 0.0
+    if filled < GRAPH_ROWS_FILLED:
+        return False, (f"parallel.cuda_graphs auto: off, the training rows fill {filled:.0%} of data.max_length "
+                       f"({cfg.data.max_length:,}) on average, which each would be padded to (data.packing fills them)")
+    if traced is not None and not traced():
+        return False, ("parallel.cuda_graphs auto: off, not every checkpointed block is checkpointed inside its "
+                       "compiled graph (a block with weights trained in full keeps its FSDP2 unit)")
+    return True, (f"parallel.cuda_graphs auto: on, blocks replayed as CUDA graphs (rows {filled:.0%} full, padded to "
+                  f"data.max_length {cfg.data.max_length:,})")
+
+
+def decide_cuda_graphs(cfg: Config, device: torch.device, world_size: int, lengths: Callable[[], np.ndarray],
+                       micro_batches: int, traced: Callable[[], bool] | None, log_it: bool,
+                       triton: bool | None = None) -> None:
+    """Settle parallel.cuda_graphs in `cfg` (`cuda_graphs_choice`), before the model and the trainer are built from
+    it, so that both, and the run's config.yaml, say what ran; said once in the log when it was `auto`."""
+    on, why = cuda_graphs_choice(cfg, device, world_size, lengths, micro_batches, traced, triton)
+    # Not where the blocks are not compiled: parallel.compile's own line says so.
+    if log_it and cfg.parallel.cuda_graphs == AUTO and cfg.parallel.compile is not False and device.type == "cuda":
+        log.info(why)
+    cfg.parallel.cuda_graphs = on

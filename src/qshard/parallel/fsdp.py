@@ -51,10 +51,11 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     traced = traced_blocks(blocks, in_place, mesh, parallel, cfg.train.train_type, cfg.lora.dropout)
     log_adapter_blocks_in_place(blocks, in_place, traced)
     apply_activation_checkpointing(model, blocks, parallel, traced)
-    if parallel.cuda_graphs:
+    if parallel.replays_graphs():
         check_cuda_graphs(parallel, compute_device(mesh), len(traced), len(checkpointed_blocks(blocks, parallel)))
     if parallel.compile:
-        compile_blocks(blocks, parallel.compile_backend, traced, parallel.saves_projections(), parallel.cuda_graphs)
+        compile_blocks(blocks, parallel.compile_backend, traced, parallel.saves_projections(),
+                       parallel.replays_graphs())
     shard_blocks(blocks, quantized, in_place, mesh, parallel, prec, reshard_after_forward(parallel))
     kept = shard_embedding_and_head(model, mesh, parallel, prec)
     shard_root(model, [*in_place, *kept], mesh, parallel, prec)
@@ -90,6 +91,17 @@ def in_place_blocks(model: nn.Module, blocks: list[nn.Module], world_size: int, 
     mp = prec.mp_policy()
     adapters = {id(b) for b in training} if all(adapter_block(b, mp) for b in training) else set()
     return [b for b in blocks if (in_place_quantized if id(b) in quantized else id(b) in adapters)]
+
+
+def every_checkpoint_traced(model: nn.Module, blocks: list[nn.Module], world_size: int, cfg: Config) -> bool:
+    """Whether every checkpointed block of `model` would be checkpointed inside its compiled graph (`traced_blocks`'
+    rule), asked of a skeleton before the build: parallel.cuda_graphs auto turns on only then, where `true` would
+    be refused at build time (compile.check_cuda_graphs)."""
+    checkpointed = checkpointed_blocks(blocks, cfg.parallel)
+    if not checkpointed or checkpoint_trace_unmet(cfg.parallel, cfg.train.train_type, cfg.lora.dropout, world_size):
+        return False
+    in_place = {id(b) for b in in_place_blocks(model, blocks, world_size, cfg)}
+    return all(id(b) in in_place for b in checkpointed)
 
 
 def adapter_block(block: nn.Module, mp: MixedPrecisionPolicy) -> bool:

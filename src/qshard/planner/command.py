@@ -9,12 +9,13 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from qshard.build import Skeleton, skeleton, training_tokenizer
 from qshard.config import QUANTIZED_TRAIN_TYPES, Config
 from qshard.errors import QShardError
-from qshard.parallel.compile import AUTO, compile_choice, with_compile_decided
+from qshard.parallel.compile import AUTO, compile_choice, cuda_graphs_choice, with_compile_decided
 from qshard.parallel.distributed import add_cpu_collectives, from_rank0
 from qshard.planner.estimate import Estimate, estimate
 from qshard.planner.fit import Candidate, search
@@ -56,19 +57,26 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
         raise QShardError(f"--seq must be > 0, got {length}")
     cfg = compile_planned(cfg, triton=True)
     model = plan_model(cfg, machine.world_size)
-    planned, settled, found = cfg, None, None
+    planned, settled, found = copy.deepcopy(cfg), [], None
+    if cfg.parallel.cuda_graphs == AUTO:  # as `qshard train` would settle it for training rows of `length` tokens
+        rows = copy.deepcopy(cfg)
+        rows.data.max_length = length
+        planned.parallel.cuda_graphs, why = cuda_graphs_choice(rows, torch.device("cuda"), machine.world_size,
+                                                               lambda: np.array([length]), None, triton=True)
+        settled.append(why)
     if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
-        planned = copy.deepcopy(cfg)
-        planned.parallel.ac_save_projections, why, found = _save_projections(model, cfg, machine, length)
-        settled = f"parallel.ac_save_projections auto: {why}"
+        planned.parallel.ac_save_projections, why, found = _save_projections(model, planned, machine, length)
+        settled.append(f"parallel.ac_save_projections auto: {why}")
     found = found or estimate(model, planned, machine, length)
     # The search from the settings as given: a candidate then names ac_save_projections wherever it could take
-    # effect, since `qshard train` would settle `auto` again for the candidate's own settings.
+    # effect, since `qshard train` would settle `auto` again for the candidate's own settings (cuda_graphs auto
+    # reads as off there).
     fits = _search(model, cfg, machine, length, top) if fit else None
     if as_json:
         out = {**found.to_json(), "seq": length}
-        if settled:
-            out["ac_save_projections"] = planned.parallel.ac_save_projections
+        for key in ("ac_save_projections", "cuda_graphs"):
+            if getattr(cfg.parallel, key) == AUTO:
+                out[key] = getattr(planned.parallel, key)
         if fits is not None:
             out["fit"] = [_candidate_json(c) for c in fits[0]]
         print(json.dumps(out))
@@ -101,8 +109,8 @@ def _candidate_json(c: Candidate) -> dict:
             "peak_gpu_gib": round(c.estimate.peak_gpu_gib, 3), "peak_host_gib": round(c.estimate.peak_host_gib, 3)}
 
 
-def _table(cfg: Config, model: Skeleton, e: Estimate, seq: int, settled: str | None = None) -> list[str]:
-    """`settled`: the line saying how an `auto` setting was settled for this machine, if one was."""
+def _table(cfg: Config, model: Skeleton, e: Estimate, seq: int, settled: list[str] | None = None) -> list[str]:
+    """`settled`: the lines saying how `auto` settings were settled for this machine."""
     m, t = e.machine, cfg.train
     source = cfg.model.path or f"model.shape {cfg.model.shape}"
     lines = [
@@ -110,7 +118,7 @@ def _table(cfg: Config, model: Skeleton, e: Estimate, seq: int, settled: str | N
         f"{m.nodes} node(s) x {m.gpus_per_node} {m.gpu.name} ({m.gpu.memory_gib:g} GiB)",
         f"  batch: seq {seq} x micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum} x {m.world_size} rank(s) "
         f"= {e.tokens_per_step:,} tokens per step",
-        *([f"  {settled}"] if settled else []),
+        *[f"  {line}" for line in settled or []],
         "",
         f"  {'GPU memory, the largest rank':<40}{'GiB':>9}",
     ]

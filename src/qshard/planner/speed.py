@@ -86,7 +86,8 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     # Blocks used in place (their storage or adapters held in place; only the embedding and head are otherwise)
     # run as compiled graphs without a unit's hooks.
     graphs = p.compile and shapes.blocks_in_place
-    host = shapes.blocks * hardware.HOST_PER_BLOCK_S["cuda_graph" if p.cuda_graphs else "graph" if graphs else "hooks"]
+    launch = "cuda_graph" if p.replays_graphs() else "graph" if graphs else "hooks"
+    host = shapes.blocks * hardware.HOST_PER_BLOCK_S[launch]
     link = _link_seconds(cfg, plans, machine)
     pcie = _pcie_seconds(cfg, plans, machine)
     # Activation offload's copies are waited for where the tensors are packed and unpacked, so they add to the

@@ -173,7 +173,7 @@ class Trainer:
         # data.max_length: each new width would record the blocks' graphs again (seconds and device memory each).
         # Such rows are right-padded, so under the causal mask no real token sees a padding one: they go without an
         # attention mask (`_prepared`), and every batch reaches the blocks as the same graph inputs.
-        self.fixed_width = cfg.parallel.cuda_graphs
+        self.fixed_width = cfg.parallel.replays_graphs()
         self.collate = self.objective.collate
         if self.fixed_width:
             self.collate = functools.partial(self.objective.collate, width=cfg.data.max_length)

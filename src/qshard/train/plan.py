@@ -107,7 +107,8 @@ class RunPlan:
         flags = [name for name, on in (
             ("compile", p.compile is True), ("compile auto", p.compile == "auto"),
             ("ac_save_projections", p.ac_save_projections is True),
-            ("ac_save_projections auto", p.ac_save_projections == "auto"), ("cuda_graphs", p.cuda_graphs),
+            ("ac_save_projections auto", p.ac_save_projections == "auto"), ("cuda_graphs", p.cuda_graphs is True),
+            ("cuda_graphs auto", p.cuda_graphs == "auto"),
             ("cpu_offload", p.cpu_offload), ("activation_offload", p.activation_offload)) if on]
         return ", ".join(parts + flags)
 

@@ -29,15 +29,18 @@ from qshard.build import (
     planned_skeleton,
     random_init,
     resolve_model,
+    skeleton,
     training_tokenizer,
     weights_deferred,
 )
 from qshard.checkpoint import CheckpointManager, base_fingerprint_all_ranks, base_model_name
 from qshard.config import ADAPTERLESS_TRAIN_TYPES, Config
 from qshard.data import Example
+from qshard.data.packing import example_lengths
 from qshard.errors import QShardError
 from qshard.export_tokenizer import ExportTokenizer, export_tokenizer, plain_text_run
 from qshard.models import SwapReport
+from qshard.parallel.compile import decide_cuda_graphs
 from qshard.parallel.distributed import (
     DistEnv,
     collective_errors,
@@ -47,6 +50,7 @@ from qshard.parallel.distributed import (
     set_timeout,
     shutdown,
 )
+from qshard.parallel.fsdp import every_checkpoint_traced
 from qshard.planner.command import preflight, this_machine
 from qshard.train.best import BestLoss
 from qshard.train.loop import EvalResult, FitResult, Trainer
@@ -161,12 +165,14 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False, auto_fit: bool = Fal
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         if dry_run:
+            _decide_cuda_graphs(cfg, env, inputs, resume)
             _print_plan(cfg, env, out, inputs, resume)
             return RunResult(out, {}, None)
         kept = _kept_lines(out, resume.state["step"], env) if resume.continuing else _Kept()
         # Before anything is loaded: a run predicted not to fit says so now, not with an OOM minutes later.
         preflight(cfg, this_machine(env.device, env.world_size), inputs.model_dir, len(inputs.tokenizer), auto_fit,
                   env.is_main)
+        _decide_cuda_graphs(cfg, env, inputs, resume)
         run = _build(cfg, env, inputs, resume, prompts)
         fit = _fit(cfg, env, out, run, kept, replace=cfg.output.overwrite and not resume.continuing)
         if fit.preempted:
@@ -343,6 +349,22 @@ def _reference(cfg: Config, trainer: Trainer, inputs: _Inputs, fingerprint: str)
     if cfg.pref.precompute_reference:
         key = reference_key(cfg, fingerprint)
         precompute_reference(trainer, [inputs.train, inputs.eval], key, adapters_off=not cfg.train.init_adapter)
+
+
+def _decide_cuda_graphs(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Resume) -> None:
+    """parallel.cuda_graphs auto settled (parallel/compile.py, decide_cuda_graphs) once --auto-fit has set the other
+    options, and before the model and the trainer are built from it (both pad rows for it) and config.yaml is
+    written: from the training rows, the micro-batches left to run, and the model's skeleton (whether every
+    checkpointed block is traced into its graph), each asked only if the answer is not settled before."""
+    world = env.world_size if env.world_size > 1 else cfg.parallel.nproc  # a dry run: the world it would have
+    steps = Trainer.plan(cfg, len(inputs.train), dataclasses.replace(env, world_size=world, rank=0))[1]
+    left = (steps - (resume.state["step"] if resume.state else 0)) * cfg.train.grad_accum
+
+    def traced() -> bool:
+        planned = skeleton(cfg, inputs.model_dir, world, env.device, len(inputs.tokenizer))
+        return every_checkpoint_traced(planned.model, planned.blocks, world, cfg)
+
+    decide_cuda_graphs(cfg, env.device, world, lambda: example_lengths(inputs.train), left, traced, env.is_main)
 
 
 def _print_plan(cfg: Config, env: DistEnv, out: Path, inputs: _Inputs, resume: _Resume) -> None:
