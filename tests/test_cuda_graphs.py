@@ -3,6 +3,7 @@ the options handed to inductor, and the step marks the trainer makes; on a GPU, 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from importlib import resources
@@ -114,6 +115,10 @@ def test_auto_is_off_where_blocks_cannot_replay_as_graphs(setting, world_size, t
     assert not on and why.startswith("parallel.cuda_graphs auto: off, ") and re.search(says, why), why
     on, why = _choice(_auto(), [2048], device=torch.device("cpu"))
     assert not on and "computes on cpu" in why
+    # Settled before the rows are read (a large data set's lengths cost a pass over its packing).
+    untouched = lambda: pytest.fail("lengths read")  # noqa: E731
+    for device, world_size in ((torch.device("cpu"), 1), (GPU, 2)):
+        assert not compile_mod.cuda_graphs_choice(_auto(), device, world_size, untouched, 5000, triton=True)[0]
     pairs = _auto()
     pairs.train.objective = "dpo"
     assert not _choice(pairs, [2048])[0]
@@ -152,6 +157,34 @@ def test_every_checkpoint_traced_asks_the_skeleton_as_the_build_does(tiny_models
     scaled.train.precision = "bf16_mixed"  # no loss scaler: the blocks stay in place beside the trained head
     assert traced(scaled)
     assert not traced(_auto(activation_checkpointing=False))
+
+
+@pytest.mark.parametrize("setting", [{}, {"ac_every": 2}, {"fp16": True}])
+def test_every_checkpoint_traced_agrees_with_the_build(dist_env, tiny_models, monkeypatch, setting):
+    """The skeleton's answer is what parallelize then does: every checkpointed block traced into its graph, or not."""
+    from qshard.build import skeleton
+    from qshard.parallel import fsdp
+
+    made, real = [], fsdp.traced_blocks
+
+    def spy(blocks, *args):
+        made.append((blocks, real(blocks, *args)))
+        return made[-1][1]
+
+    monkeypatch.setattr(fsdp, "traced_blocks", spy)
+    cfg = _config(compile=True, compile_backend="aot_eager", cuda_graphs=False, ac_every=setting.get("ac_every", 1))
+    if setting.get("fp16"):
+        cfg.train.precision, cfg.lora.modules_to_save = "fp16_mixed", ["lm_head"]
+    cfg = cfg.validate()
+    planned = skeleton(cfg, tiny_models("llama"), 1, torch.device("cpu"))
+    expected = fsdp.every_checkpoint_traced(planned.model, planned.blocks, 1, cfg)
+    try:
+        build_model(cfg, dist_env, tiny_models("llama"))
+    finally:
+        torch._dynamo.reset()
+    (blocks, traced), = made
+    checkpointed = fsdp.checkpointed_blocks(blocks, cfg.parallel)
+    assert expected == (len(traced) == len(checkpointed) > 0) and expected == (not setting.get("fp16"))
 
 
 def test_a_setting_given_is_kept_and_auto_is_settled_in_the_config(caplog):
@@ -197,19 +230,22 @@ def test_train_decides_from_the_rows_the_micro_batches_left_and_the_model(tiny_m
     (lengths, micro_batches, traced), = seen
     assert micro_batches == 6 and traced and order == ["preflight", "decide", "_build"]
     assert len(lengths) > 6 and lengths.max() == 48 and lengths.mean() > 0.8 * 48  # rows packed up to max_length 48
-    cfg.train.max_steps, cfg.checkpoint.resume = 5, "auto"  # goes on from its checkpoint of step 3
+    # Goes on from its checkpoint of step 3 (the run settled cfg's auto: asked again).
+    cfg.train.max_steps, cfg.checkpoint.resume, cfg.parallel.cuda_graphs = 5, "auto", "auto"
     run_training(cfg.validate())
     assert seen[-1][1] == (5 - 3) * 2
 
 
-@pytest.mark.skipif(CUDA, reason="the CPU's decision; on a GPU auto turns on for these packed rows")
-def test_a_cpu_run_settles_auto_off_and_its_config_says_so(tiny_models, tmp_path):
-    """`qshard train` settles auto before building (the CPU: off), and config.yaml records what ran."""
+def test_a_run_settles_auto_and_its_config_says_so_a_dry_run_leaves_it(tiny_models, tmp_path, capsys):
+    """`qshard train` settles auto before building (off: on the CPU, and anywhere for a run of one micro-batch), and
+    config.yaml records what ran; a dry run (no --auto-fit, perhaps not where the run will train) leaves it."""
     import yaml
 
     out = tmp_path / "run"
     cfg = _config(tiny_models("llama"), out, cuda_graphs="auto")
     cfg.train.max_steps = 1
+    run_training(copy.deepcopy(cfg).validate(), dry_run=True)
+    assert "cuda_graphs auto" in capsys.readouterr().out and not out.exists()
     run_training(cfg.validate())
     assert yaml.safe_load((out / "config.yaml").read_text())["parallel"]["cuda_graphs"] is False
 

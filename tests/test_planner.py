@@ -38,6 +38,13 @@ def test_plan_settles_cuda_graphs_auto_for_rows_of_the_planned_length(capsys):
     assert on["tok_s"] >= off["tok_s"]
     assert main(["plan", *base, "--seq", "2048"]) == 0
     assert "parallel.cuda_graphs auto: on" in capsys.readouterr().out
+    # A run of known length too short to repay the graphs; blocks the build would keep in FSDP2 units (fp16's loss
+    # scaler beside a head trained in full), asked of the skeleton as `qshard train` does.
+    assert _plan(capsys, *base, "--seq", "2048", "--train.max_steps", "100")["cuda_graphs"] is False
+    assert _plan(capsys, *base, "--seq", "2048", "--train.max_steps", "1000")["cuda_graphs"] is True
+    scaled = ["--train.precision", "fp16_mixed", "--lora.modules_to_save", "[lm_head]"]
+    assert _plan(capsys, *base, "--seq", "2048", *scaled)["cuda_graphs"] is False
+    assert _plan(capsys, *base, "--seq", "2048", *scaled[:2])["cuda_graphs"] is True
 
 
 # (options, measured peak GiB, measured tok/s or None): Llama-3-8B shape, LoRA r=64 on every block linear. The

@@ -17,6 +17,7 @@ from qshard.config import QUANTIZED_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.parallel.compile import AUTO, compile_choice, cuda_graphs_choice, with_compile_decided
 from qshard.parallel.distributed import add_cpu_collectives, from_rank0
+from qshard.parallel.fsdp import every_checkpoint_traced
 from qshard.planner.estimate import Estimate, estimate
 from qshard.planner.fit import Candidate, search
 from qshard.planner.hardware import GPUS, Machine, gpu
@@ -58,11 +59,14 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
     cfg = compile_planned(cfg, triton=True)
     model = plan_model(cfg, machine.world_size)
     planned, settled, found = copy.deepcopy(cfg), [], None
-    if cfg.parallel.cuda_graphs == AUTO:  # as `qshard train` would settle it for training rows of `length` tokens
+    if cfg.parallel.cuda_graphs == AUTO:  # as `qshard train` would settle it for full training rows of `length`
         rows = copy.deepcopy(cfg)
         rows.data.max_length = length
-        planned.parallel.cuda_graphs, why = cuda_graphs_choice(rows, torch.device("cuda"), machine.world_size,
-                                                               lambda: np.array([length]), None, triton=True)
+        t = cfg.train
+        micro_batches = t.max_steps * t.grad_accum if t.max_steps else None  # else the data decides the run's length
+        planned.parallel.cuda_graphs, why = cuda_graphs_choice(
+            rows, torch.device("cuda"), machine.world_size, lambda: np.array([length]), micro_batches,
+            lambda: every_checkpoint_traced(model.model, model.blocks, machine.world_size, cfg), triton=True)
         settled.append(why)
     if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
         planned.parallel.ac_save_projections, why, found = _save_projections(model, planned, machine, length)

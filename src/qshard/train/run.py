@@ -165,7 +165,6 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False, auto_fit: bool = Fal
         if _finished_before(cfg, env, out, resume, len(inputs.train)):
             return RunResult(out, {}, None)
         if dry_run:
-            _decide_cuda_graphs(cfg, env, inputs, resume)
             _print_plan(cfg, env, out, inputs, resume)
             return RunResult(out, {}, None)
         kept = _kept_lines(out, resume.state["step"], env) if resume.continuing else _Kept()
@@ -355,16 +354,19 @@ def _decide_cuda_graphs(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Res
     """parallel.cuda_graphs auto settled (parallel/compile.py, decide_cuda_graphs) once --auto-fit has set the other
     options, and before the model and the trainer are built from it (both pad rows for it) and config.yaml is
     written: from the training rows, the micro-batches left to run, and the model's skeleton (whether every
-    checkpointed block is traced into its graph), each asked only if the answer is not settled before."""
-    world = env.world_size if env.world_size > 1 else cfg.parallel.nproc  # a dry run: the world it would have
-    steps = Trainer.plan(cfg, len(inputs.train), dataclasses.replace(env, world_size=world, rank=0))[1]
+    checkpointed block is traced into its graph), each asked only if the answer is not settled before. A dry run
+    leaves `auto` (it runs no --auto-fit, and may run where the training will not)."""
+    if cfg.parallel.cuda_graphs != "auto":
+        return
+    steps = Trainer.plan(cfg, len(inputs.train), env)[1]
     left = (steps - (resume.state["step"] if resume.state else 0)) * cfg.train.grad_accum
 
     def traced() -> bool:
-        planned = skeleton(cfg, inputs.model_dir, world, env.device, len(inputs.tokenizer))
-        return every_checkpoint_traced(planned.model, planned.blocks, world, cfg)
+        planned = skeleton(cfg, inputs.model_dir, env.world_size, env.device, len(inputs.tokenizer))
+        return every_checkpoint_traced(planned.model, planned.blocks, env.world_size, cfg)
 
-    decide_cuda_graphs(cfg, env.device, world, lambda: example_lengths(inputs.train), left, traced, env.is_main)
+    decide_cuda_graphs(cfg, env.device, env.world_size, lambda: example_lengths(inputs.train), left, traced,
+                       env.is_main)
 
 
 def _print_plan(cfg: Config, env: DistEnv, out: Path, inputs: _Inputs, resume: _Resume) -> None:
