@@ -413,3 +413,35 @@ def test_blocks_replayed_as_cuda_graphs_train_like_launched_ones(tiny_models, tm
         losses[on] = [r["loss"] for r in records] + [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(losses[True]) == (6 if evaluated else 4), losses[True]  # 4 steps, with evaluations at 2 and 4
     assert losses[True] == pytest.approx(losses[False], rel=2e-2 if variant == "unpacked" else 1e-3)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+def test_auto_turns_graphs_on_where_rows_are_full_and_trains_as_false_does(tiny_models, tmp_path, monkeypatch, caplog):
+    """On a GPU, `auto` with rows that fill data.max_length replays the blocks as CUDA graphs (its log line, the run's
+    config.yaml, no graph skipped) and trains as `false` does. The start-up rule's 1,000 micro-batches are lowered to
+    this run's 4 (a tiny model's steps repay nothing anyway; the rule's own test is on the CPU)."""
+    import yaml
+
+    monkeypatch.setattr(compile_mod, "GRAPH_MIN_MICRO_BATCHES", 4)
+    model_dir = tiny_models("llama")
+    rows = tmp_path / "rows.jsonl"  # every row exactly data.max_length tokens once tokenized and truncated
+    rows.write_text("".join(json.dumps({"text": "the quick brown fox jumps over the lazy dog " * 20}) + "\n"
+                            for _ in range(16)))
+    losses = {}
+    for setting in ("auto", False):
+        out = tmp_path / str(setting)
+        cfg = _config(model_dir, out, cuda_graphs=setting)
+        cfg.data.path, cfg.data.packing = str(rows), False
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        try:
+            with caplog.at_level("INFO", logger="qshard"):
+                run_training(cfg.validate())
+            assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+        finally:
+            torch._dynamo.reset()
+        saved = yaml.safe_load((out / "config.yaml").read_text())["parallel"]["cuda_graphs"]
+        assert saved is (setting == "auto"), saved
+        losses[setting] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("parallel.cuda_graphs auto: on" in r.getMessage() for r in caplog.records)
+    assert len(losses["auto"]) == 4 and losses["auto"] == pytest.approx(losses[False], rel=1e-3)
