@@ -40,7 +40,7 @@ from qshard.data.packing import example_lengths
 from qshard.errors import QShardError
 from qshard.export_tokenizer import ExportTokenizer, export_tokenizer, plain_text_run
 from qshard.models import SwapReport
-from qshard.parallel.compile import decide_cuda_graphs
+from qshard.parallel.compile import AUTO, decide_cuda_graphs
 from qshard.parallel.distributed import (
     DistEnv,
     collective_errors,
@@ -356,7 +356,7 @@ def _decide_cuda_graphs(cfg: Config, env: DistEnv, inputs: _Inputs, resume: _Res
     written: from the training rows, the micro-batches left to run, and the model's skeleton (whether every
     checkpointed block is traced into its graph), each asked only if the answer is not settled before. A dry run
     leaves `auto` (it runs no --auto-fit, and may run where the training will not)."""
-    if cfg.parallel.cuda_graphs != "auto":
+    if cfg.parallel.cuda_graphs != AUTO:
         return
     steps = Trainer.plan(cfg, len(inputs.train), env)[1]
     left = (steps - (resume.state["step"] if resume.state else 0)) * cfg.train.grad_accum
