@@ -83,6 +83,13 @@ MEASURED = [
     # The same with the blocks replayed as CUDA graphs (2026-12-03, fourteenth session).
     (["--seq", "2048", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true",
       "--model.embedding_on_host", "true", "--parallel.cuda_graphs", "true"], 8.95, 11560),
+    # The defaults of the eighteenth session (2026-12-03), one sitting: replayed as CUDA graphs (what cuda_graphs auto
+    # chooses for a long run of full rows; predicted 10.07 GiB, 10,926 tok/s), launched (10,548 predicted), and at
+    # 8,192 tokens, where auto leaves graphs off (17.31 GiB, 11,953 tok/s predicted).
+    (["--seq", "2048", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true",
+      "--parallel.cuda_graphs", "true"], 9.87, 12192),
+    (["--seq", "2048", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true"], 9.86, 10841),
+    (["--seq", "8192", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true"], 16.91, 11046),
 ]
 
 
