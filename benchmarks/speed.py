@@ -10,7 +10,9 @@ activation checkpointing, AdamW, constant lr), each in a fresh process, and prin
 Unsloth refusing the machine, is its row with the error's line)
 
   median step time over the steps after warm-up, tok/s, MFU, peak allocated GPU memory, ratio to the reference,
-  and the first step's time (for a compiled run: the compilation, or the caches' lookup when warm).
+  and the first step's time (for a compiled run: the compilation, or the caches' lookup when warm); then, per
+  qshard run, what its config.yaml says of the options `auto` settles (parallel.cuda_graphs: off for fewer than
+  1,000 micro-batches, so speed.py's runs measure it only when given `--qshard-args "--parallel.cuda_graphs true"`).
 
 MFU = tok/s x 6 x N / peak, as the training log line computes it (qshard.train.metrics.matmul_flops_per_token
 and peak_bf16_flops), where N counts the weights of every matmul a token goes through (the blocks'
@@ -30,6 +32,18 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+# The options qshard's `auto` settles for the run and writes into its config.yaml: what the measured run did.
+SETTLED = ("parallel.cuda_graphs", "parallel.ac_save_projections", "quant.double_quant")
+
+
+def settled_autos(run_dir: Path) -> dict:
+    """The values the run's config.yaml holds for `SETTLED` (the settings as given, or what `auto` chose)."""
+    import yaml
+
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return {key: saved[key.split(".")[0]][key.split(".")[1]] for key in SETTLED}
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -129,6 +143,7 @@ def run_system(system: str, args, base: list[str], data: Path) -> dict:
                                   str(args.warmup)], capture_output=True, text=True, check=True)
         result = json.loads(summary.stdout)
         result["system"] = system
+        result["settled"] = settled_autos(run_dir)
     result["command"] = shlex.join(cmd)
     return result
 
@@ -158,6 +173,9 @@ def report_results(results: list[dict], args) -> None:
         first = f"{r['step_times_s'][0]:.1f}" if r.get("step_times_s") else "-"
         print(f"| {r['system']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
               f"{r['peak_alloc_gib']:.2f} | {ratio} | {first} |")
+    for r in results:
+        if r.get("settled"):
+            print(f"{r['system']}: " + ", ".join(f"{k} {v}" for k, v in r["settled"].items()))
 
 
 if __name__ == "__main__":
