@@ -98,10 +98,9 @@ def every_checkpoint_traced(model: nn.Module, blocks: list[nn.Module], world_siz
     rule), asked of a skeleton before the build: parallel.cuda_graphs auto turns on only then, where `true` would
     be refused at build time (compile.check_cuda_graphs)."""
     checkpointed = checkpointed_blocks(blocks, cfg.parallel)
-    if not checkpointed or checkpoint_trace_unmet(cfg.parallel, cfg.train.train_type, cfg.lora.dropout, world_size):
-        return False
-    in_place = {id(b) for b in in_place_blocks(model, blocks, world_size, cfg)}
-    return all(id(b) in in_place for b in checkpointed)
+    in_place = in_place_blocks(model, blocks, world_size, cfg)
+    traced = _traced(blocks, in_place, world_size, cfg.parallel, cfg.train.train_type, cfg.lora.dropout)
+    return bool(checkpointed) and len(traced) == len(checkpointed)
 
 
 def adapter_block(block: nn.Module, mp: MixedPrecisionPolicy) -> bool:
@@ -166,13 +165,18 @@ def traced_blocks(blocks: list[nn.Module], in_place: list[nn.Module], mesh: Devi
     """The checkpointed blocks whose checkpoint is traced into their compiled graph (parallel/checkpointing.py:
     traced_checkpoint): where `checkpoint_trace_unmet` finds nothing unmet, the blocks used in place.
     The other checkpointed blocks keep hooks around their (compiled) forward."""
-    traced = []
-    if not checkpoint_trace_unmet(parallel, train_type, dropout, mesh.size()):
-        traced = [b for b in checkpointed_blocks(blocks, parallel) if b in in_place]
+    traced = _traced(blocks, in_place, mesh.size(), parallel, train_type, dropout)
     if parallel.saves_projections() and not traced:  # the config allowed it; the world size does not
         log.warning("parallel.ac_save_projections has no effect: no block is checkpointed inside its compiled "
                     "graph (world size %d)", mesh.size())
     return traced
+
+
+def _traced(blocks: list[nn.Module], in_place: list[nn.Module], world_size: int, parallel: ParallelConfig,
+            train_type: str, dropout: float) -> list[nn.Module]:
+    if checkpoint_trace_unmet(parallel, train_type, dropout, world_size):
+        return []
+    return [b for b in checkpointed_blocks(blocks, parallel) if b in in_place]
 
 
 def shard_blocks(blocks: list[nn.Module], quantized: list[nn.Module], in_place: list[nn.Module], mesh: DeviceMesh,
