@@ -12,6 +12,7 @@ import torch
 from conftest import nonzero_lora_b
 from torch.distributed.tensor import DTensor
 
+from qshard.adapters import LoRALinear
 from qshard.build import build_model
 from qshard.config import Config
 from qshard.data import IGNORE_INDEX
@@ -247,7 +248,8 @@ def test_traced_checkpoint_dequantizes_each_weight_once_in_backward(dist_env, ti
     (aot_eager's and inductor's partitioner merge the plain-torch expressions the CPU runs): the nibble split
     `packed & 15` each dequantization in plain torch ops does once, or on a GPU the calls of qshard's kernel
     (quant/nf4_triton.py). And no dense weight is kept from forward to backward: none of the forward graph's
-    outputs (what it saves) has a weight's shape. (tests/test_compile_graphs.py checks the same under inductor's
+    outputs (what it saves) has a weight's shape, nor the widened shape of a weight with its adapter's B factor
+    beside it (`_NF4MatmulBesideLowRank`). (tests/test_compile_graphs.py checks the same under inductor's
     partitioner.)"""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -276,7 +278,8 @@ def test_traced_checkpoint_dequantizes_each_weight_once_in_backward(dist_env, ti
     dequantizations = [n for n in backward_graphs[0].graph.nodes if n.target is torch.ops.aten.bitwise_and.Scalar
                        or "nf4_dequantize" in str(n.target) or "triton_kernel_wrapper" in str(n.target)]
     assert len(dequantizations) == 7, backward_graphs[0].graph
-    weight_shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, NF4Linear)}
+    weight_shapes = {(m.out_features, m.in_features + extra) for m in model.modules() if isinstance(m, NF4Linear)
+                     for extra in (0, 8)}  # rank 8
     (outputs,) = [n.args[0] for n in forward_graphs[0].graph.nodes if n.op == "output"]
     # Computed tensors only: the graph's inputs it saves include the storage (down_proj's codes are [128, 128]).
     saved = [tuple(o.meta["val"].shape) for o in outputs
@@ -296,6 +299,10 @@ def test_only_blocks_checkpointed_inside_their_graph_save_dense_weights(dist_env
         torch._dynamo.reset()
     matmuls = [{m._matmul for m in block.modules() if isinstance(m, NF4Linear)} for block in model.model.layers]
     assert matmuls == [{_NF4MatmulInTracedCheckpoint}, {_NF4Matmul}]
+    # Only the first block's adapters join their B factors to the base's matmul (it saves the widened weight).
+    joined = [{m.joined_with_base for m in block.modules() if isinstance(m, LoRALinear)}
+              for block in model.model.layers]
+    assert joined == [{True}, {False}]
 
 
 def test_compiled_checkpointed_blocks_reuse_their_dropout_masks(dist_env, tiny_models):

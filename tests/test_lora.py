@@ -61,3 +61,49 @@ def test_dropout_applies_to_adapter_input_only():
     lora.train()
     torch.manual_seed(3)
     assert not torch.allclose(lora(x), lora(x))
+
+
+def test_b_joined_with_an_nf4_base_computes_and_trains_as_the_separate_matmuls():
+    """In a traced checkpoint an NF4 base computes its matmul and the adapter's B factor as one (`join_base`,
+    quant/nf4.py `_NF4MatmulBesideLowRank`): the same output and the same gradients of the input, A and B as the two
+    matmuls and their sum, with a bias and a batch of sequences; only fp32 sums in another order apart."""
+    from qshard.quant import NF4Linear
+
+    torch.manual_seed(0)
+    base = NF4Linear(128, 48, True, 64)
+    base.set_weight(torch.randn(48, 128))
+    with torch.no_grad():
+        base.bias.copy_(torch.randn(48))
+    results = []
+    for joined in (False, True):
+        lora = LoRALinear(base, 128, 48, 8, 16.0, 0.0)
+        lora.lora_A.data.copy_(torch.randn(8, 128, generator=torch.Generator().manual_seed(1)))
+        lora.lora_B.data.copy_(torch.randn(48, 8, generator=torch.Generator().manual_seed(2)))
+        if joined:
+            base.in_traced_checkpoint()
+            lora.join_base()
+        assert lora.joined_with_base is joined
+        x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        y = lora(x)
+        (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
+        results.append([y.detach(), x.grad, lora.lora_A.grad, lora.lora_B.grad])
+    for separate, joined in zip(*results):
+        assert separate.shape == joined.shape
+        torch.testing.assert_close(joined, separate, rtol=1e-5, atol=1e-5 * separate.abs().max().item())
+
+
+def test_only_plain_lora_on_a_base_that_can_joins_it():
+    """`join_base` joins where the base says it can (an NF4 layer told it is in a traced checkpoint), not on a dense
+    base, nor an NF4 one outside a traced checkpoint, nor for DoRA, which scales its base's output its own way."""
+    from qshard.adapters import DoRALinear
+    from qshard.quant import NF4Linear
+
+    dense = LoRALinear(torch.nn.Linear(64, 16), 64, 16, 4, 8.0, 0.0)
+    outside = LoRALinear(NF4Linear(64, 16, False, 64), 64, 16, 4, 8.0, 0.0)
+    traced_base = NF4Linear(64, 16, False, 64)
+    traced_base.in_traced_checkpoint()
+    inside = LoRALinear(traced_base, 64, 16, 4, 8.0, 0.0)
+    dora = DoRALinear(traced_base, 64, 16, 4, 8.0, 0.0)
+    for layer in (dense, outside, inside, dora):
+        layer.join_base()
+    assert [layer.joined_with_base for layer in (dense, outside, inside, dora)] == [False, False, True, False]

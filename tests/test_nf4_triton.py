@@ -46,6 +46,13 @@ _INTERPRETED = textwrap.dedent("""
             assert got.shape == want.shape == (rows, cols), (got.shape, want.shape)
             assert got.dtype == dtype
             assert torch.equal(got, want), (rows, cols, blocksize, dtype, (got.float() - want.float()).abs().max())
+            # The same weights with a LoRA B factor's columns after each row's (a width that fills its block of the
+            # kernel, and one that does not).
+            for width in (8, 5):
+                extra = torch.randn(rows, width).to(dtype)
+                got = nf4_triton._launch_beside(nf4_triton._dequantize_beside_kernel, packed, absmax, table, extra)
+                assert got.shape == (rows, cols + width) and got.dtype == dtype, got.shape
+                assert torch.equal(got, torch.cat([want, extra], dim=1)), (rows, cols, blocksize, dtype, width)
     print("KERNEL OK")
 """)
 
@@ -79,6 +86,23 @@ def test_kernel_matches_bitsandbytes_on_a_gpu(dtype):
 
 
 @_GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weights_beside_a_factor_match_bitsandbytes_on_a_gpu(dtype):
+    """The widened weight a LoRA layer's base and B factor share (`dequantize_beside`): bitsandbytes' weights, then
+    the factor's columns, bit for bit; a Llama-3-8B block's shapes with rank 64, and shapes whose rows end in a
+    partly masked run of the kernel."""
+    torch.manual_seed(0)
+    table = _nf4_table(torch.device("cuda"))
+    for rows, cols, blocksize, rank in [(4096, 4096, 64, 64), (14336, 4096, 64, 64), (4096, 14336, 64, 64),
+                                        (37, 320, 64, 8), (5, 2048, 128, 5)]:
+        packed, absmax_bits = quantize_nf4(torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16), blocksize)
+        absmax = absmax_bits.view(torch.float32)
+        extra = torch.randn(rows, rank, device="cuda").to(dtype)
+        got = nf4_triton.dequantize_beside(packed, absmax, table, extra)
+        assert torch.equal(got, torch.cat([_dequantize_bnb(packed, absmax, dtype), extra], dim=1)), (rows, cols)
+
+
+@_GPU
 @pytest.mark.parametrize("layer_class", [NF4Linear, NF4DoubleQuantLinear])
 def test_compiled_layers_dequantize_through_the_kernel_as_eager_ones_do(layer_class):
     """`NF4Linear.dequantize` inside a compiled graph (the kernel, for 16-bit outputs) against the same outside one
@@ -97,6 +121,40 @@ def test_compiled_layers_dequantize_through_the_kernel_as_eager_ones_do(layer_cl
         assert ("_dequantize_kernel" in "\n".join(code)) == (dtype != torch.float32), dtype
         assert torch.equal(got, want), dtype
         assert torch.equal(compiled(storage, dtype), want), dtype
+
+
+@_GPU
+def test_a_compiled_lora_layer_joined_with_its_base_runs_the_widened_kernel_and_trains_as_eager():
+    """A LoRA layer on an NF4 base in a traced checkpoint, compiled: its B factor joins the base's matmul through the
+    widened weight the kernel writes (`_dequantize_beside_kernel` in the generated code), and output and gradients
+    are the eager separate matmuls' within bf16 rounding."""
+    from qshard.adapters import LoRALinear
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = NF4Linear(4096, 1024, False, 64, device="cuda")
+    base.set_weight(torch.randn(1024, 4096, device="cuda"))
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for joined in (False, True):
+        lora = LoRALinear(base, 4096, 1024, 64, 16.0, 0.0).cuda()
+        # The same factors in both forms.
+        lora.lora_A.data.copy_(torch.randn(64, 4096, generator=torch.Generator().manual_seed(1)) / 64)
+        lora.lora_B.data.copy_(torch.randn(1024, 64, generator=torch.Generator().manual_seed(2)))
+        inputs = x.clone().requires_grad_()
+        if joined:
+            base.in_traced_checkpoint()
+            lora.join_base()
+            y, code = run_and_get_code(torch.compile(lora, fullgraph=True), inputs)
+            assert "_dequantize_beside_kernel" in "\n".join(code)
+        else:
+            y = lora(inputs)
+        y.backward(grad)
+        results.append([y.detach(), inputs.grad, lora.lora_A.grad, lora.lora_B.grad])
+    torch._dynamo.reset()
+    for separate, joined in zip(*results):
+        torch.testing.assert_close(joined.float(), separate.float(), rtol=2e-2, atol=2e-2 * separate.abs().max().item())
 
 
 @_GPU

@@ -86,6 +86,9 @@ class DoRALinear(LoRALinear):
         base = dense_base(self.base, torch.float32) if base is None else base
         return torch.linalg.vector_norm(base + self.scaling * delta, dim=1)
 
+    def join_base(self) -> None:
+        """Nothing joins the base's matmul: DoRA scales the base's output by the magnitude over the norm."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.adapter_enabled:
             return self.base(x)

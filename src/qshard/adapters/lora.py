@@ -28,6 +28,8 @@ def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
 class LoRALinear(nn.Module):
     # False inside `adapters_disabled`: the layer is its base alone (the reference of preference tuning).
     adapter_enabled = True
+    # Whether the base computes the B factor's matmul with its own (`join_base`): set at build time.
+    joined_with_base = False
 
     def __init__(
         self,
@@ -83,7 +85,16 @@ class LoRALinear(nn.Module):
         # The scaling rides on B's cast to the compute dtype ([out, r] elements, not the [tokens, r]
         # intermediate): compiled blocks fuse the two into one kernel instead of launching a separate multiply.
         low_rank = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
-        return self.base(x) + F.linear(low_rank, (self.lora_B * self.scaling).to(x.dtype))
+        b = (self.lora_B * self.scaling).to(x.dtype)
+        if self.joined_with_base:
+            return self.base.forward_beside_low_rank(x, low_rank, b)
+        return self.base(x) + F.linear(low_rank, b)
+
+    def join_base(self) -> None:
+        """Called once at build time, after the base layer was told it is in a traced checkpoint
+        (parallel/compile.py): where the base can (`joins_low_rank`), the adapter's B factor joins the base's matmul,
+        which saves a matmul a layer in forward and one in backward (quant/nf4.py, `_NF4MatmulBesideLowRank`)."""
+        self.joined_with_base = getattr(self.base, "joins_low_rank", False)
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}"

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from qshard.adapters.lora import LoRALinear
 from qshard.config import Config, ParallelConfig
 from qshard.errors import QShardError
 from qshard.parallel.checkpointing import traced_checkpoint
@@ -79,6 +80,9 @@ def compile_blocks(
             for module in block.modules():
                 if isinstance(module, QuantizedLinear):
                     module.in_traced_checkpoint()
+            for module in block.modules():  # once their bases were told
+                if isinstance(module, LoRALinear):
+                    module.join_base()
         block.forward = torch.compile(forward, backend=backend, options=options)
     compile_tiles(blocks, backend, options)
     first_block_shares_the_graph(blocks)

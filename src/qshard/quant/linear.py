@@ -61,6 +61,9 @@ class QuantizedLinear(nn.Module):
     EXPERTS = False
     # Set at build time (parallel/storage_offload.py) when the storage is kept in host memory.
     offloaded = None
+    # Set at build time by a method whose `forward_beside_low_rank(x, low, b)` computes a LoRA layer's base and B
+    # factor in one matmul (quant/nf4.py, in a traced checkpoint); adapters/lora.py asks it.
+    joins_low_rank = False
 
     def __init__(
         self,

@@ -168,6 +168,17 @@ def _dequantize(packed: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) 
     return _dequantize_bnb(packed, absmax, dtype)
 
 
+def _dequantize_beside(packed: torch.Tensor, absmax: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """`_dequantize`'s weight in `extra`'s dtype with `extra`'s columns after its own: one kernel where the Triton
+    one runs, else a concatenation."""
+    dtype = extra.dtype
+    if packed.is_meta:
+        return torch.empty(packed.shape[0], packed.shape[1] * 2 + extra.shape[1], dtype=dtype, device="meta")
+    if torch.compiler.is_compiling() and nf4_triton.AVAILABLE and packed.is_cuda and dtype != torch.float32:
+        return nf4_triton.dequantize_beside(packed.view(torch.uint8), absmax, _nf4_table(packed.device), extra)
+    return torch.cat([_dequantize(packed, absmax, dtype), extra], dim=1)
+
+
 class _NF4Matmul(torch.autograd.Function):
     """y = x W^T with W dequantized on the fly; backward dequantizes again instead of saving W, so the
     activation memory of a frozen layer is its input only. The storage saved for backward is the layer's own
@@ -216,6 +227,36 @@ class _NF4MatmulInTracedCheckpoint(torch.autograd.Function):
             (weight,) = ctx.saved_tensors
             grad_x = grad_out @ weight.to(grad_out.dtype)
         return grad_x, None, None, None, None
+
+
+class _NF4MatmulBesideLowRank(torch.autograd.Function):
+    """A LoRA layer's base matmul and its B factor as one matmul, for a layer of a block whose checkpoint is traced
+    into its compiled graph: x W^T + low B^T = [x, low] [W, B]^T, `low` the adapter's A x (scaled B given).
+    Forward runs one matmul where it ran two and an add; backward one, grad [W, B], for the gradients of x and low
+    together, where it ran two and read the output's gradient twice. B's own gradient is grad^T low, as before.
+    The widened weight [W, B] is written by the dequantization itself (quant/nf4_triton.py, `dequantize_beside`) and
+    saved for backward as `_NF4MatmulInTracedCheckpoint` saves W, on the same promise: the traced checkpoint
+    recomputes it in backward instead of keeping it (parallel/checkpointing.py)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, low: torch.Tensor, b: torch.Tensor, layer: NF4Linear, packed: torch.Tensor,
+                scales: torch.Tensor, row_scales: torch.Tensor | None) -> torch.Tensor:
+        storage = _gathered_storage(packed, scales, row_scales)
+        wide = _dequantize_beside(storage[0], layer.block_absmax(storage[1:]), b)
+        ctx.save_for_backward(wide, low)
+        return F.linear(torch.cat([x, low], dim=-1), wide)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        wide, low = ctx.saved_tensors
+        grad_x = grad_low = grad_b = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            both = grad_out @ wide
+            cut = wide.shape[1] - low.shape[-1]
+            grad_x, grad_low = both[..., :cut], both[..., cut:]
+        if ctx.needs_input_grad[2]:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).t() @ low.reshape(-1, low.shape[-1])
+        return grad_x, grad_low, grad_b, None, None, None, None
 
 
 def _gathered_storage(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -287,6 +328,18 @@ class NF4Linear(QuantizedLinear):
 
     def in_traced_checkpoint(self) -> None:
         self._matmul = _NF4MatmulInTracedCheckpoint
+        self.joins_low_rank = True
+
+    def forward_beside_low_rank(self, x: torch.Tensor, low: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """`forward(x) + F.linear(low, b)` as one matmul (`_NF4MatmulBesideLowRank`): what a LoRA layer on this one
+        computes, `low` its A x and `b` its scaled B in x's dtype. Only in a traced checkpoint (`joins_low_rank`)."""
+        if self.offloaded is not None:
+            return self(x) + F.linear(low, b)
+        packed, scales, *row_scales = (getattr(self, name) for name in self.STORAGE)
+        y = _NF4MatmulBesideLowRank.apply(x, low, b, self, packed, scales, row_scales[0] if row_scales else None)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
 
     def bits_per_weight(self) -> float:
         return 4 + 32 / self.blocksize

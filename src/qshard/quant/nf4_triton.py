@@ -34,26 +34,62 @@ _WARPS = 4
 if AVAILABLE:
 
     @triton.jit
+    def _weight_pairs(packed_ptr, absmax_ptr, table_ptr, bytes_at, scales_at, inside, out_dtype: tl.constexpr):
+        """The two weights of each packed byte at `bytes_at` (scaled by the absmax at `scales_at`), interleaved in
+        the output's order and dtype."""
+        byte = tl.load(packed_ptr + bytes_at, mask=inside, other=0).to(tl.int32)
+        scale = tl.load(absmax_ptr + scales_at, mask=inside, other=0.0)
+        high = tl.load(table_ptr + (byte >> 4)) * scale  # the first weight of the pair: bitsandbytes' order
+        low = tl.load(table_ptr + (byte & 15)) * scale
+        return tl.interleave(high, low).to(out_dtype)
+
+    @triton.jit
     def _dequantize_kernel(packed_ptr, absmax_ptr, table_ptr, out_ptr, n_bytes, n_weights,
                            BYTES_PER_SCALE: tl.constexpr, BLOCK: tl.constexpr):
         start = tl.program_id(0).to(tl.int64) * BLOCK
         offsets = start + tl.arange(0, BLOCK)
         inside = offsets < n_bytes
-        byte = tl.load(packed_ptr + offsets, mask=inside, other=0).to(tl.int32)
-        scale = tl.load(absmax_ptr + offsets // BYTES_PER_SCALE, mask=inside, other=0.0)
-        high = tl.load(table_ptr + (byte >> 4)) * scale  # the first weight of the pair: bitsandbytes' order
-        low = tl.load(table_ptr + (byte & 15)) * scale
-        weights = tl.interleave(high, low).to(out_ptr.dtype.element_ty)
+        weights = _weight_pairs(packed_ptr, absmax_ptr, table_ptr, offsets, offsets // BYTES_PER_SCALE, inside,
+                                out_ptr.dtype.element_ty)
         out = 2 * start + tl.arange(0, 2 * BLOCK)
         # The weight count comes from the host, not as `2 * n_bytes` here: Triton passes an int below 2^31 as int32,
         # and that product overflows from 2^30 bytes on. Not `(out >> 1) < n_bytes` either: the compiler cannot tell
         # that mask is constant over runs of the output, and stores one element at a time (2.7x slower on an H200).
         tl.store(out_ptr + out, weights, mask=out < n_weights)
 
+    @triton.jit
+    def _dequantize_beside_kernel(packed_ptr, absmax_ptr, table_ptr, extra_ptr, out_ptr, bytes_per_row,
+                                  scales_per_row, extra_width, out_width, BYTES_PER_SCALE: tl.constexpr,
+                                  BLOCK: tl.constexpr, EXTRA_BLOCK: tl.constexpr):
+        """One row's run of BLOCK packed bytes per program, written into a row of `out_width` columns; the row's
+        last program copies the row of `extra` after its weights instead."""
+        row = tl.program_id(0).to(tl.int64)
+        column_block = tl.program_id(1)
+        out_row = out_ptr + row * out_width
+        if column_block * BLOCK < bytes_per_row:
+            columns = column_block * BLOCK + tl.arange(0, BLOCK)
+            inside = columns < bytes_per_row
+            weights = _weight_pairs(packed_ptr, absmax_ptr, table_ptr, row * bytes_per_row + columns,
+                                    row * scales_per_row + columns // BYTES_PER_SCALE, inside,
+                                    out_ptr.dtype.element_ty)
+            out = 2 * column_block * BLOCK + tl.arange(0, 2 * BLOCK)
+            # As above: a bound on the output's own offsets keeps the stores vectorized.
+            tl.store(out_row + out, weights, mask=out < 2 * bytes_per_row)
+        else:  # names of its own: Triton types a name once across both branches
+            extra_columns = tl.arange(0, EXTRA_BLOCK)
+            extra_inside = extra_columns < extra_width
+            values = tl.load(extra_ptr + row * extra_width + extra_columns, mask=extra_inside, other=0.0)
+            tl.store(out_row + 2 * bytes_per_row + extra_columns, values, mask=extra_inside)
+
     @torch.library.triton_op("qshard::nf4_dequantize", mutates_args=())
     def _nf4_dequantize(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
                         dtype: torch.dtype) -> torch.Tensor:
         return _launch(torch.library.wrap_triton(_dequantize_kernel), packed, absmax, table, dtype)
+
+    @torch.library.triton_op("qshard::nf4_dequantize_beside", mutates_args=())
+    def _nf4_dequantize_beside(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+                               extra: torch.Tensor) -> torch.Tensor:
+        return _launch_beside(torch.library.wrap_triton(_dequantize_beside_kernel), packed, absmax, table, extra)
 
 
 def _launch(kernel, packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
@@ -71,7 +107,32 @@ def _launch(kernel, packed: torch.Tensor, absmax: torch.Tensor, table: torch.Ten
     return out
 
 
+def _launch_beside(kernel, packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+                   extra: torch.Tensor) -> torch.Tensor:
+    """`_launch`'s weights, each row followed by the same row of `extra`: [out, in + extra's columns] in extra's
+    dtype."""
+    out_features, half_in = packed.shape
+    assert absmax.shape[0] == extra.shape[0] == out_features and half_in % absmax.shape[1] == 0
+    assert packed.dtype == torch.uint8 and absmax.dtype == table.dtype == torch.float32 and table.numel() == 16
+    extra_width = extra.shape[1]
+    out = torch.empty(out_features, 2 * half_in + extra_width, dtype=extra.dtype, device=packed.device)
+    grid = (out_features, triton.cdiv(half_in, _BYTES_PER_PROGRAM) + 1)
+    kernel[grid](packed, absmax, table, extra, out, half_in, absmax.shape[1], extra_width, out.shape[1],
+                 BYTES_PER_SCALE=half_in // absmax.shape[1], BLOCK=_BYTES_PER_PROGRAM,
+                 EXTRA_BLOCK=triton.next_power_of_2(extra_width), num_warps=_WARPS)
+    return out
+
+
 def dequantize(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`packed` codes (uint8 [out, in/2]) times `absmax` (fp32 [out, blocks]), each code's level read from `table`
     (fp32 [16]), as [out, in] in `dtype`. Only where `AVAILABLE`."""
     return torch.ops.qshard.nf4_dequantize(packed.contiguous(), absmax.contiguous(), table, dtype)
+
+
+def dequantize_beside(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+                      extra: torch.Tensor) -> torch.Tensor:
+    """`dequantize`'s [out, in] weights in `extra`'s dtype with `extra` ([out, k]) after them, [out, in + k], written
+    by one kernel: the weight a LoRA layer's base matmul and its B factor share (quant/nf4.py,
+    `_NF4MatmulBesideLowRank`). Only where `AVAILABLE`."""
+    return torch.ops.qshard.nf4_dequantize_beside(packed.contiguous(), absmax.contiguous(), table,
+                                                  extra.contiguous())
