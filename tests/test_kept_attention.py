@@ -76,8 +76,10 @@ def _same(a: dict, b: dict, exact: bool = True) -> None:
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
     assert len(a["params"]) == len(b["params"])
     for x, y in zip(a["params"], b["params"], strict=True):
-        # Three AdamW steps at lr 1e-2 amplify round-off: with transformers 5.24 a few of 2,048 moved 8.5e-6 apart.
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=2e-5)
+        # Three AdamW steps at lr 1e-2 amplify round-off: with transformers 5.24 a few of 2,048 moved 8.5e-6 apart;
+        # since the plain compiled path joins the B factors to the base's matmul (fp32 sums in another order) and the
+        # kept one does not, one of 2,048 moved 3.0e-5. A wrong gradient moves weights by steps of the order of lr.
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("parallel", [

@@ -13,6 +13,10 @@ per call than bitsandbytes' op, which eager blocks keep. Its costs: a launch per
 was one per block), and the compiler does not merge two calls of a kernel the way it merged two equal expressions:
 a block checkpointed by hooks runs it in backward for the recompute and again for the input's gradient (a block
 checkpointed inside its compiled graph once, through nf4.py's `_NF4MatmulInTracedCheckpoint`).
+
+A second kernel writes the same weights into the first columns of a wider row and a LoRA layer's scaled B factor into
+the rest (`dequantize_beside`): the weight [W, sB] with which the base's matmul computes the adapter's B product too
+(nf4.py, `_NF4MatmulBesideLowRank`), built by the dequantization at no extra pass over W.
 """
 
 from __future__ import annotations
