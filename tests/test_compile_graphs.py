@@ -92,7 +92,8 @@ def test_every_block_runs_one_graph_that_the_caches_can_keep_and_trains_like_eag
     assert grads[False].keys() == grads[True].keys() and len(grads[False]) == 3 * 14  # q,k,v,o,gate,up,down: A, B
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-6, atol=1e-6)
     # The compiled blocks' adapters join their B factors to the base's matmul (quant/nf4.py, fp32 sums in another
-    # order): A's gradients, through three blocks, move by up to about 1e-5 of their largest.
+    # order): A's gradients, through three blocks, move by up to about 1.3e-5 of their largest (the same model in
+    # fp64, its weights dequantized in plain torch, agreed to 3e-15).
     for name in grads[False]:
         scale = grads[False][name].abs().max().item()
         torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-4 * scale, msg=name)

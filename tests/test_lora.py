@@ -64,9 +64,11 @@ def test_dropout_applies_to_adapter_input_only():
 
 
 def test_b_joined_with_an_nf4_base_computes_and_trains_as_the_separate_matmuls():
-    """In a traced checkpoint an NF4 base computes its matmul and the adapter's B factor as one (`join_base`,
-    quant/nf4.py `_NF4MatmulBesideLowRank`): the same output and the same gradients of the input, A and B as the two
-    matmuls and their sum, with a bias and a batch of sequences; only fp32 sums in another order apart."""
+    """In a traced checkpoint an NF4 base computes its matmul and the adapter's B factor as one inside the compiled
+    graph (`join_base`, quant/nf4.py `_NF4MatmulBesideLowRank`): the same output and the same gradients of the input,
+    A and B as the two matmuls and their sum, with a bias and a batch of sequences; only fp32 sums in another order
+    apart. Called eagerly (samples generated beside the compiled blocks), the joined layer runs the two matmuls: the
+    same bits as the separate layer's."""
     from qshard.quant import NF4Linear
 
     torch.manual_seed(0)
@@ -74,7 +76,8 @@ def test_b_joined_with_an_nf4_base_computes_and_trains_as_the_separate_matmuls()
     base.set_weight(torch.randn(48, 128))
     with torch.no_grad():
         base.bias.copy_(torch.randn(48))
-    results = []
+    x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(3))
+    results, eager = [], []
     for joined in (False, True):
         lora = LoRALinear(base, 128, 48, 8, 16.0, 0.0)
         lora.lora_A.data.copy_(torch.randn(8, 128, generator=torch.Generator().manual_seed(1)))
@@ -83,27 +86,37 @@ def test_b_joined_with_an_nf4_base_computes_and_trains_as_the_separate_matmuls()
             base.in_traced_checkpoint()
             lora.join_base()
         assert lora.joined_with_base is joined
-        x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(3)).requires_grad_()
-        y = lora(x)
+        with torch.no_grad():
+            eager.append(lora(x))
+        inputs = x.clone().requires_grad_()
+        try:
+            y = (torch.compile(lora, backend="aot_eager", fullgraph=True) if joined else lora)(inputs)
+        finally:
+            torch._dynamo.reset()
         (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
-        results.append([y.detach(), x.grad, lora.lora_A.grad, lora.lora_B.grad])
+        results.append([y.detach(), inputs.grad, lora.lora_A.grad, lora.lora_B.grad])
+    assert torch.equal(eager[0], eager[1])
     for separate, joined in zip(*results):
         assert separate.shape == joined.shape
         torch.testing.assert_close(joined, separate, rtol=1e-5, atol=1e-5 * separate.abs().max().item())
 
 
 def test_only_plain_lora_on_a_base_that_can_joins_it():
-    """`join_base` joins where the base says it can (an NF4 layer told it is in a traced checkpoint), not on a dense
-    base, nor an NF4 one outside a traced checkpoint, nor for DoRA, which scales its base's output its own way."""
+    """`join_base` joins where the base says it can (an NF4 layer told it is in a traced checkpoint) and the rank is a
+    multiple of 8 (the widened weight's rows 16 bytes apart); not on a dense base, nor an NF4 one outside a traced
+    checkpoint, nor for DoRA, which scales its base's output its own way."""
     from qshard.adapters import DoRALinear
     from qshard.quant import NF4Linear
 
-    dense = LoRALinear(torch.nn.Linear(64, 16), 64, 16, 4, 8.0, 0.0)
-    outside = LoRALinear(NF4Linear(64, 16, False, 64), 64, 16, 4, 8.0, 0.0)
     traced_base = NF4Linear(64, 16, False, 64)
     traced_base.in_traced_checkpoint()
-    inside = LoRALinear(traced_base, 64, 16, 4, 8.0, 0.0)
-    dora = DoRALinear(traced_base, 64, 16, 4, 8.0, 0.0)
-    for layer in (dense, outside, inside, dora):
+    layers = {
+        "dense": LoRALinear(torch.nn.Linear(64, 16), 64, 16, 8, 8.0, 0.0),
+        "outside": LoRALinear(NF4Linear(64, 16, False, 64), 64, 16, 8, 8.0, 0.0),
+        "inside": LoRALinear(traced_base, 64, 16, 8, 8.0, 0.0),
+        "inside, rank 12": LoRALinear(traced_base, 64, 16, 12, 8.0, 0.0),
+        "dora": DoRALinear(traced_base, 64, 16, 8, 8.0, 0.0),
+    }
+    for layer in layers.values():
         layer.join_base()
-    assert [layer.joined_with_base for layer in (dense, outside, inside, dora)] == [False, False, True, False]
+    assert {name for name, layer in layers.items() if layer.joined_with_base} == {"inside"}

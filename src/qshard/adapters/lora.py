@@ -93,8 +93,10 @@ class LoRALinear(nn.Module):
     def join_base(self) -> None:
         """Called once at build time, after the base layer was told it is in a traced checkpoint
         (parallel/compile.py): where the base can (`joins_low_rank`), the adapter's B factor joins the base's matmul,
-        which saves a matmul a layer in forward and one in backward (quant/nf4.py, `_NF4MatmulBesideLowRank`)."""
-        self.joined_with_base = getattr(self.base, "joins_low_rank", False)
+        which saves a matmul a layer in forward and one in backward (quant/nf4.py, `_NF4MatmulBesideLowRank`). Only
+        for a rank that is a multiple of 8: the widened weight's rows, in + rank 16-bit values, then start 16 bytes
+        apart, as the matmul and the kernel writing it need to run at full speed."""
+        self.joined_with_base = getattr(self.base, "joins_low_rank", False) and self.rank % 8 == 0
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}"

@@ -118,8 +118,10 @@ def _narrowing_matmul(op, args) -> bool:
 class _RecomputePolicy:
     """Which ops a traced checkpoint keeps for backward. A module-level class, not a closure: the compiler's
     cache pickles it with the graph it belongs to, and cannot pickle a local function. The NF4 layers of these
-    blocks save their dense weights for backward (quant/nf4.py, `_NF4MatmulInTracedCheckpoint`) on the promise
-    that the dequantization is recomputed here, never kept: keeping it would keep every block's dense weights."""
+    blocks save their dense weights for backward (quant/nf4.py, `_NF4MatmulInTracedCheckpoint`, or the weight widened
+    by a LoRA B factor, `_NF4MatmulBesideLowRank`) on the promise that the dequantization is recomputed here, never
+    kept: keeping it would keep every block's dense weights. A joined matmul contracts over in + rank columns, so
+    `_narrowing_matmul` counts a layer with in < out <= in + rank as narrowing (no common model has one)."""
 
     def __init__(self, save_projections: bool) -> None:
         self.save_projections = save_projections

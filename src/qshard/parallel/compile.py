@@ -63,7 +63,8 @@ def compile_blocks(
 ) -> None:
     """Compile each block's forward; those in `checkpointed` with the checkpoint traced into the graph
     (keeping the outputs of narrowing projections with `save_projections`), their quantized layers told so
-    (`QuantizedLinear.in_traced_checkpoint`), replayed as CUDA graphs with `cuda_graphs` (parallel.cuda_graphs:
+    (`QuantizedLinear.in_traced_checkpoint`) and then their LoRA layers, whose B factors may join the base's matmul
+    (`LoRALinear.join_base`), replayed as CUDA graphs with `cuda_graphs` (parallel.cuda_graphs:
     `CUDA_GRAPH_OPTIONS`). A tiled MLP breaks its block's graph: the tiling runs eagerly, one tile's MLP in a graph
     of its own (parallel/tiling.py, compile_tiles)."""
     options = None

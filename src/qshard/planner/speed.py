@@ -78,7 +78,8 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
         attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
     # Each quantized weight is dequantized in forward and backward, and again for a hooks checkpoint's recompute; a
-    # traced checkpoint's recompute shares backward's NF4 weights (quant/nf4.py, _NF4MatmulInTracedCheckpoint).
+    # traced checkpoint's recompute shares backward's NF4 weights (quant/nf4.py, _NF4MatmulInTracedCheckpoint and
+    # _NF4MatmulBesideLowRank).
     recomputed = 0.0 if traced and cfg.quant.method == "nf4" else ckpt
     dequant = quantized * (2 + recomputed + extra) * (0.5 + 2 * shapes.compute) / (
         g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)

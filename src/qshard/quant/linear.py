@@ -61,8 +61,8 @@ class QuantizedLinear(nn.Module):
     EXPERTS = False
     # Set at build time (parallel/storage_offload.py) when the storage is kept in host memory.
     offloaded = None
-    # Set at build time by a method whose `forward_beside_low_rank(x, low, b)` computes a LoRA layer's base and B
-    # factor in one matmul (quant/nf4.py, in a traced checkpoint); adapters/lora.py asks it.
+    # Set at build time (`in_traced_checkpoint`) by a method whose `forward_beside_low_rank` computes a LoRA layer's
+    # base and B factor in one matmul (quant/nf4.py); adapters/lora.py asks it.
     joins_low_rank = False
 
     def __init__(
@@ -125,7 +125,13 @@ class QuantizedLinear(nn.Module):
         """Called once at build time on each layer of a block whose checkpoint is traced into its compiled graph
         (parallel/compile.py, compile_blocks), where the dequantization is recomputed in backward, never kept: a method
         may then have its matmul save the dense weight, which the backward graph dequantizes once for the
-        recomputed forward and the input's gradient both. By default nothing changes."""
+        recomputed forward and the input's gradient both, and offer a LoRA layer on it one matmul for both
+        (`joins_low_rank`, `forward_beside_low_rank`). By default nothing changes."""
+
+    def forward_beside_low_rank(self, x: torch.Tensor, low: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """`self(x) + F.linear(low, b)`, a LoRA layer's output (`low` its A x, `b` its scaled B), computed as one
+        matmul: only for a method that set `joins_low_rank` (quant/nf4.py)."""
+        raise NotImplementedError
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16, after: torch.Tensor | None = None
                            ) -> torch.Tensor:

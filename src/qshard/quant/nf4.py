@@ -209,7 +209,8 @@ class _NF4MatmulInTracedCheckpoint(torch.autograd.Function):
     that. Saving the storage instead dequantized it twice in backward, since the compiler merges two equal
     expressions but not two calls of the dequantization kernel (quant/nf4_triton.py). Its cost: the dense weights
     the recompute reads live on in backward until their input gradients (gate's and up's with kept projections, else
-    all but down's: 0.29 GiB at the 8B defaults' peak). Outside such a checkpoint, or if the checkpoint's policy kept
+    all but down's: 0.29 GiB at the 8B defaults' peak; under a LoRA layer, widened by its B factor,
+    `_NF4MatmulBesideLowRank`, the same on that promise). Outside such a checkpoint, or if the checkpoint's policy kept
     the dequantization's output (parallel/checkpointing.py), this would keep every layer's dense weight from forward
     to backward: only layers inside one are switched to it."""
 
@@ -331,9 +332,11 @@ class NF4Linear(QuantizedLinear):
         self.joins_low_rank = True
 
     def forward_beside_low_rank(self, x: torch.Tensor, low: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """`forward(x) + F.linear(low, b)` as one matmul (`_NF4MatmulBesideLowRank`): what a LoRA layer on this one
-        computes, `low` its A x and `b` its scaled B in x's dtype. Only in a traced checkpoint (`joins_low_rank`)."""
-        if self.offloaded is not None:
+        """`forward(x) + F.linear(low, b)` as one matmul (`_NF4MatmulBesideLowRank`) inside the compiled graph:
+        what a LoRA layer on this one computes, `low` its A x and `b` its scaled B in x's dtype. Called eagerly (the
+        samples a run generates with its compiled blocks set aside), the two matmuls: there no kernel writes the
+        widened weight, and building it would copy the whole dense weight once more per call."""
+        if not torch.compiler.is_compiling():
             return self(x) + F.linear(low, b)
         packed, scales, *row_scales = (getattr(self, name) for name in self.STORAGE)
         y = _NF4MatmulBesideLowRank.apply(x, low, b, self, packed, scales, row_scales[0] if row_scales else None)

@@ -64,12 +64,17 @@ if AVAILABLE:
     @triton.jit
     def _dequantize_beside_kernel(packed_ptr, absmax_ptr, table_ptr, extra_ptr, out_ptr, bytes_per_row,
                                   scales_per_row, extra_width, out_width, BYTES_PER_SCALE: tl.constexpr,
-                                  BLOCK: tl.constexpr, EXTRA_BLOCK: tl.constexpr):
+                                  BLOCK: tl.constexpr, EXTRA_BLOCK: tl.constexpr, ROWS_ALIGNED: tl.constexpr):
         """One row's run of BLOCK packed bytes per program, written into a row of `out_width` columns; the row's
         last program copies the row of `extra` after its weights instead."""
         row = tl.program_id(0).to(tl.int64)
         column_block = tl.program_id(1)
-        out_row = out_ptr + row * out_width
+        row_start = row * out_width
+        if ROWS_ALIGNED:
+            # Triton assumes an integer argument aligned only where it is a multiple of 16 (4,160 for rank 64, not
+            # 4,104 for rank 8): told that each row starts 16 bytes in, it stores 16 bytes at a time, not 2.
+            row_start = tl.multiple_of(row_start, 8)
+        out_row = out_ptr + row_start
         if column_block * BLOCK < bytes_per_row:
             columns = column_block * BLOCK + tl.arange(0, BLOCK)
             inside = columns < bytes_per_row
@@ -123,7 +128,8 @@ def _launch_beside(kernel, packed: torch.Tensor, absmax: torch.Tensor, table: to
     grid = (out_features, triton.cdiv(half_in, _BYTES_PER_PROGRAM) + 1)
     kernel[grid](packed, absmax, table, extra, out, half_in, absmax.shape[1], extra_width, out.shape[1],
                  BYTES_PER_SCALE=half_in // absmax.shape[1], BLOCK=_BYTES_PER_PROGRAM,
-                 EXTRA_BLOCK=triton.next_power_of_2(extra_width), num_warps=_WARPS)
+                 EXTRA_BLOCK=triton.next_power_of_2(extra_width), ROWS_ALIGNED=out.shape[1] % 8 == 0,
+                 num_warps=_WARPS)
     return out
 
 
