@@ -67,8 +67,8 @@ def test_b_joined_with_an_nf4_base_computes_and_trains_as_the_separate_matmuls()
     """In a traced checkpoint an NF4 base computes its matmul and the adapter's B factor as one inside the compiled
     graph (`join_base`, quant/nf4.py `_NF4MatmulBesideLowRank`): the same output and the same gradients of the input,
     A and B as the two matmuls and their sum, with a bias and a batch of sequences; only fp32 sums in another order
-    apart. Called eagerly (samples generated beside the compiled blocks), the joined layer runs the two matmuls: the
-    same bits as the separate layer's."""
+    apart (both compiled: the graph runs as traced, no code generated). Called eagerly (samples generated beside the
+    compiled blocks), the joined layer runs the two matmuls: the same bits as the separate layer's."""
     from qshard.quant import NF4Linear
 
     torch.manual_seed(0)
@@ -89,10 +89,19 @@ def test_b_joined_with_an_nf4_base_computes_and_trains_as_the_separate_matmuls()
         with torch.no_grad():
             eager.append(lora(x))
         inputs = x.clone().requires_grad_()
+        graphs = []
+
+        def keeping(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
         try:
-            y = (torch.compile(lora, backend="aot_eager", fullgraph=True) if joined else lora)(inputs)
+            y = torch.compile(lora, backend=keeping, fullgraph=True)(inputs)
         finally:
             torch._dynamo.reset()
+        # Compiled, the joined layer concatenates the input and A x for its one matmul; the separate one has no cat.
+        code = "\n".join(m.code for gm in graphs for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+        assert ("torch.cat" in code) is joined, code
         (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
         results.append([y.detach(), inputs.grad, lora.lora_A.grad, lora.lora_B.grad])
     assert torch.equal(eager[0], eager[1])

@@ -4,6 +4,8 @@ Triton is imported); on a GPU, natively, compiled and eager, against bitsandbyte
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -70,14 +72,21 @@ _GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 def _stores(kernel, signature: dict, constexprs: dict, aligned: tuple[int, ...]) -> dict[str, int]:
     """The global stores of `kernel` compiled for an H100/H200 (sm_90) by kind, counted in its PTX, with the arguments
-    at the indices `aligned` taken as multiples of 16, as Triton specializes them when they are. No GPU needed."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    at the indices `aligned` taken as multiples of 16, as Triton specializes them when they are. No GPU needed; skipped
+    where this Triton compiles ahead of time through other internals than 3.9's (they are not a stable interface)."""
+    if not nf4_triton.AVAILABLE or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs Triton's compiler")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
 
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
-                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": nf4_triton._WARPS})
-    kinds = [line.split()[1] for line in compiled.asm["ptx"].splitlines() if "st.global" in line]
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                           attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": nf4_triton._WARPS})
+        ptx = compiled.asm["ptx"]
+    except (ImportError, TypeError, AttributeError, KeyError) as e:
+        pytest.skip(f"this Triton compiles ahead of time another way: {type(e).__name__}: {e}")
+    kinds = re.findall(r"\b(st\.global[.\w]*)", ptx)
     return {kind: kinds.count(kind) for kind in set(kinds)}
 
 

@@ -334,7 +334,8 @@ class NF4Linear(QuantizedLinear):
     def forward_beside_low_rank(self, x: torch.Tensor, low: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """`forward(x) + F.linear(low, b)` as one matmul (`_NF4MatmulBesideLowRank`) inside the compiled graph:
         what a LoRA layer on this one computes, `low` its A x and `b` its scaled B in x's dtype. Called eagerly (the
-        samples a run generates with its compiled blocks set aside), the two matmuls: there no kernel writes the
+        samples a run generates and a preference pair's shared prompt, with the compiled blocks set aside), the two
+        matmuls: there no kernel writes the
         widened weight, and building it would copy the whole dense weight once more per call."""
         if not torch.compiler.is_compiling():
             return self(x) + F.linear(low, b)
