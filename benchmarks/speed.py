@@ -1,7 +1,8 @@
 """Training speed on one GPU, qshard against the transformers + peft + bitsandbytes stack, in one invocation.
 
   python3 benchmarks/speed.py --out DIR [--seq 2048] [--batch 1] [--steps 15] [--warmup 5]
-                              [--systems qshard,qshard-compiled,qshard-eager,reference,unsloth] [--qshard-args "..."]
+                              [--systems qshard,qshard-compiled,qshard-eager,qshard-baseline,reference,unsloth]
+                              [--qshard-args "..."] [--baseline-src DIR]
 
 Builds the random-weight Llama-3-8B-shaped checkpoint (if absent) and a dataset of full-length examples,
 trains each system on exactly the same examples (LoRA r=64 alpha 16 on every block linear, NF4 base,
@@ -20,12 +21,20 @@ linears and the output head; not the input embedding, attention scores, or the L
 forward + recomputation under checkpointing + the backward to the activations (the frozen base needs no
 weight gradients); peak is the GPU's dense bf16 rate (989.4 TFLOP/s for H100/H200 SXM).
 Results go to DIR/results.json; benchmarks/chart.py draws them.
+
+`qshard-baseline` is the `qshard` run with another version of qshard's code: `--baseline-src` names a directory
+holding its `qshard` package, put first on the run's PYTHONPATH (everything else, this script and the data included,
+stays as it is). A change measured against the code before it in one sitting:
+
+  mkdir -p .baseline && git archive REV src | tar -x -C .baseline     # then carry .baseline to the GPU machine
+  python3 benchmarks/speed.py --out OUT --systems qshard-baseline,qshard --baseline-src .baseline/src
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -46,9 +55,9 @@ def settled_autos(run_dir: Path) -> dict:
     return {key: saved[key.split(".")[0]][key.split(".")[1]] for key in SETTLED}
 
 
-def run(cmd: list[str], log: Path) -> None:
+def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode:
         tail = log.read_text().splitlines()[-30:]
         raise SystemExit(f"failed ({proc.returncode}): {shlex.join(cmd)}\n" + "\n".join(tail))
@@ -102,7 +111,13 @@ def main() -> None:
     p.add_argument("--systems", default="qshard,qshard-compiled,reference")
     p.add_argument("--qshard-args", default="", help="extra options for every qshard run")
     p.add_argument("--unsloth-timeout-s", type=float, default=300.0, help="limit of the unsloth run")
+    p.add_argument("--baseline-src", type=Path, help="the directory holding the qshard package that the "
+                   "qshard-baseline system runs (e.g. an earlier commit's src/)")
     args = p.parse_args()
+    if "qshard-baseline" in args.systems.split(",") and not args.baseline_src:
+        p.error("--systems qshard-baseline needs --baseline-src DIR")
+    if args.baseline_src and not (args.baseline_src / "qshard" / "__init__.py").is_file():
+        p.error(f"--baseline-src {args.baseline_src}: no qshard package there (qshard/__init__.py)")
     args.out.mkdir(parents=True, exist_ok=True)
     data = prepare_inputs(args)
     model = ["--model.shape", args.shape] if args.shape else ["--model", str(args.ckpt)]
@@ -123,7 +138,7 @@ def run_system(system: str, args, base: list[str], data: Path) -> dict:
     py = sys.executable
     # qshard: its defaults (compile auto: on on a GPU with Triton); the others say compile outright.
     variants = {"qshard": [], "qshard-compiled": ["--parallel.compile", "true"],
-                "qshard-eager": ["--parallel.compile", "false"]}
+                "qshard-eager": ["--parallel.compile", "false"], "qshard-baseline": []}
     log = args.out / f"{system}.log"
     if system == "unsloth":
         from unsloth_anchor import run_child
@@ -138,13 +153,20 @@ def run_system(system: str, args, base: list[str], data: Path) -> dict:
     else:
         run_dir = args.out / system
         cmd = [py, *base, "--output-dir", str(run_dir), *variants[system]]
-        run(cmd, log)
+        env = None
+        if system == "qshard-baseline":  # the other version's package first on the path
+            paths = [str(args.baseline_src.resolve()), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        run(cmd, log, env)
         summary = subprocess.run([py, str(HERE / "summarize.py"), str(run_dir / "metrics.jsonl"), "--warmup",
                                   str(args.warmup)], capture_output=True, text=True, check=True)
         result = json.loads(summary.stdout)
         result["system"] = system
         result["settled"] = settled_autos(run_dir)
     result["command"] = shlex.join(cmd)
+    if system == "qshard-baseline":
+        result["baseline_src"] = str(args.baseline_src)
+        result["command"] = f"PYTHONPATH={shlex.quote(str(args.baseline_src))}:... " + result["command"]
     return result
 
 
