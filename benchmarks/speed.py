@@ -23,11 +23,16 @@ weight gradients); peak is the GPU's dense bf16 rate (989.4 TFLOP/s for H100/H20
 Results go to DIR/results.json; benchmarks/chart.py draws them.
 
 `qshard-baseline` is the `qshard` run with another version of qshard's code: `--baseline-src` names a directory
-holding its `qshard` package, put first on the run's PYTHONPATH (everything else, this script and the data included,
-stays as it is). A change measured against the code before it in one sitting:
+holding its `qshard` package, put first on the run's PYTHONPATH (everything else, this script, the data and
+`--qshard-args` included, stays as it is: an option only the newer code knows fails the baseline's row). A change
+measured against the code before it in one sitting (the revision, written beside the package, goes into the result):
 
-  mkdir -p .baseline && git archive REV src | tar -x -C .baseline     # then carry .baseline to the GPU machine
+  rm -rf .baseline && mkdir .baseline && git archive REV src | tar -x -C .baseline
+  git rev-parse --short REV > .baseline/REV
   python3 benchmarks/speed.py --out OUT --systems qshard-baseline,qshard --baseline-src .baseline/src
+
+The first system compiles with empty caches where the second may find some: compare their medians, not their first
+steps.
 """
 
 from __future__ import annotations
@@ -48,11 +53,12 @@ SETTLED = ("parallel.cuda_graphs", "parallel.ac_save_projections", "quant.double
 
 
 def settled_autos(run_dir: Path) -> dict:
-    """The values the run's config.yaml holds for `SETTLED` (the settings as given, or what `auto` chose)."""
+    """The values the run's config.yaml holds for `SETTLED` (the settings as given, or what `auto` chose); "absent"
+    for an option the run's version of qshard did not have (a `qshard-baseline` of older code)."""
     import yaml
 
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    return {key: saved[key.split(".")[0]][key.split(".")[1]] for key in SETTLED}
+    return {key: saved.get(key.split(".")[0], {}).get(key.split(".")[1], "absent") for key in SETTLED}
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
@@ -165,8 +171,12 @@ def run_system(system: str, args, base: list[str], data: Path) -> dict:
         result["settled"] = settled_autos(run_dir)
     result["command"] = shlex.join(cmd)
     if system == "qshard-baseline":
+        result["command"] = f"PYTHONPATH={shlex.quote(env['PYTHONPATH'])} {result['command']}"
         result["baseline_src"] = str(args.baseline_src)
-        result["command"] = f"PYTHONPATH={shlex.quote(str(args.baseline_src))}:... " + result["command"]
+        for where in (args.baseline_src, args.baseline_src.parent):  # the revision, where the archive step wrote it
+            if (where / "REV").is_file():
+                result["baseline_rev"] = (where / "REV").read_text().strip()
+                break
     return result
 
 

@@ -32,7 +32,7 @@ out = Path(sys.argv[sys.argv.index("--output-dir") + 1])
 out.mkdir(parents=True)
 (out / "metrics.jsonl").write_text("".join(json.dumps({"step_time_s": 0.5, "tokens": 1000, "peak_mem_gib": 1.5,
                                                        "loss": 42.0 + i}) + "\\n" for i in range(3)))
-(out / "config.yaml").write_text("parallel: {cuda_graphs: false, ac_save_projections: true}\\n"
+(out / "config.yaml").write_text("parallel: {ac_save_projections: true}\\n"
                                  "quant: {double_quant: true}\\n")
 '''
 
@@ -46,13 +46,19 @@ def test_the_baseline_system_runs_the_package_of_its_source_directory(tmp_path):
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "__main__.py").write_text(_STUB_MAIN)
+    (tmp_path / "REV").write_text("abc1234\n")
     args = argparse.Namespace(out=tmp_path / "out", baseline_src=tmp_path / "baseline", warmup=1)
     args.out.mkdir()
-    result = speed.run_system("qshard-baseline", args, ["-m", "qshard", "train"], tmp_path / "data.jsonl")
+    # A model that does not exist: were the working tree's qshard run instead, it would stop at once.
+    base = ["-m", "qshard", "train", "--model", str(tmp_path / "none")]
+    result = speed.run_system("qshard-baseline", args, base, tmp_path / "data.jsonl")
     assert result["losses"] == [42.0, 43.0, 44.0] and result["tokens_per_s"] == 2000
     assert result["system"] == "qshard-baseline" and result["baseline_src"] == str(tmp_path / "baseline")
-    assert result["settled"]["parallel.cuda_graphs"] is False
-    assert result["command"].startswith("PYTHONPATH=")
+    assert result["baseline_rev"] == "abc1234"
+    # The stand-in's config.yaml has no cuda_graphs: an option of later code, reported as absent.
+    assert result["settled"] == {"parallel.cuda_graphs": "absent", "parallel.ac_save_projections": True,
+                                 "quant.double_quant": True}
+    assert result["command"].startswith(f"PYTHONPATH={tmp_path / 'baseline'}")
 
 
 def test_the_baseline_system_needs_its_source(tmp_path, monkeypatch, capsys):

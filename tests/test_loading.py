@@ -71,13 +71,21 @@ def test_load_adds_bounded_resident_memory(tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(ckpt)], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
-    overhead = measured["peak_added"] - measured["kept"]
     bound = (144 << 20) + 4 * largest
     assert ckpt_bytes > 2 * bound  # the bound would catch a load that keeps the read files resident
+    # The smaller of two loads: a process's peak now and then lies 30-40 MB above the usual 140-160 MB over the
+    # model's storage (187 and 197 MB seen on a 2-core machine, loading code unchanged), where a load keeping the
+    # files resident would stay ~400 MB over in both.
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _MEASURE, str(ckpt)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        measured = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs.append((measured["peak_added"] - measured["kept"], measured))
+        if runs[-1][0] <= bound:
+            break
+    overhead, measured = min(runs, key=lambda run: run[0])
     assert overhead <= bound, (overhead / 2**20, bound / 2**20, measured)
 
 
