@@ -317,10 +317,14 @@ class NF4Linear(QuantizedLinear):
     def dequantize(self, storage: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         return _dequantize(storage[0], self.block_absmax(storage[1:]), dtype)
 
+    def _storage_arguments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The storage as the matmuls' autograd functions take it: codes, scales, the rows' scales or None."""
+        packed, scales, *row_scales = (getattr(self, name) for name in self.STORAGE)
+        return packed, scales, row_scales[0] if row_scales else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offloaded is None:
-            packed, scales, *row_scales = (getattr(self, name) for name in self.STORAGE)
-            y = self._matmul.apply(x, self, packed, scales, row_scales[0] if row_scales else None)
+            y = self._matmul.apply(x, self, *self._storage_arguments())
         else:  # saving the host tensors would be free, but backward must fetch them again anyway
             y = RefetchingMatmul.apply(x, self)
         if self.bias is not None:
@@ -335,12 +339,11 @@ class NF4Linear(QuantizedLinear):
         """`forward(x) + F.linear(low, b)` as one matmul (`_NF4MatmulBesideLowRank`) inside the compiled graph:
         what a LoRA layer on this one computes, `low` its A x and `b` its scaled B in x's dtype. Called eagerly (the
         samples a run generates and a preference pair's shared prompt, with the compiled blocks set aside), the two
-        matmuls: there no kernel writes the
-        widened weight, and building it would copy the whole dense weight once more per call."""
+        matmuls: there no kernel writes the widened weight, and building it would copy the whole dense weight once
+        more per call."""
         if not torch.compiler.is_compiling():
             return self(x) + F.linear(low, b)
-        packed, scales, *row_scales = (getattr(self, name) for name in self.STORAGE)
-        y = _NF4MatmulBesideLowRank.apply(x, low, b, self, packed, scales, row_scales[0] if row_scales else None)
+        y = _NF4MatmulBesideLowRank.apply(x, low, b, self, *self._storage_arguments())
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

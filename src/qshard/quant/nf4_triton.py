@@ -101,13 +101,19 @@ if AVAILABLE:
         return _launch_beside(torch.library.wrap_triton(_dequantize_beside_kernel), packed, absmax, table, extra)
 
 
+def _checked(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor) -> tuple[int, int]:
+    """The codes' [out, in / 2], once they, the scales and the table are what the kernels read."""
+    out_features, half_in = packed.shape
+    assert absmax.shape[0] == out_features and half_in % absmax.shape[1] == 0, (packed.shape, absmax.shape)
+    assert packed.dtype == torch.uint8 and absmax.dtype == table.dtype == torch.float32 and table.numel() == 16
+    return out_features, half_in
+
+
 def _launch(kernel, packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
             dtype: torch.dtype) -> torch.Tensor:
     """Run `kernel` (the op's wrapped kernel; the bare one in Triton's interpreter, which the wrapper refuses on some
     torch versions) over every packed byte."""
-    out_features, half_in = packed.shape
-    assert absmax.shape[0] == out_features and half_in % absmax.shape[1] == 0, (packed.shape, absmax.shape)
-    assert packed.dtype == torch.uint8 and absmax.dtype == table.dtype == torch.float32 and table.numel() == 16
+    out_features, half_in = _checked(packed, absmax, table)
     out = torch.empty(out_features, 2 * half_in, dtype=dtype, device=packed.device)
     n_bytes = packed.numel()
     grid = (triton.cdiv(n_bytes, _BYTES_PER_PROGRAM),)
@@ -120,9 +126,8 @@ def _launch_beside(kernel, packed: torch.Tensor, absmax: torch.Tensor, table: to
                    extra: torch.Tensor) -> torch.Tensor:
     """`_launch`'s weights, each row followed by the same row of `extra`: [out, in + extra's columns] in extra's
     dtype."""
-    out_features, half_in = packed.shape
-    assert absmax.shape[0] == extra.shape[0] == out_features and half_in % absmax.shape[1] == 0
-    assert packed.dtype == torch.uint8 and absmax.dtype == table.dtype == torch.float32 and table.numel() == 16
+    out_features, half_in = _checked(packed, absmax, table)
+    assert extra.shape[0] == out_features, (packed.shape, extra.shape)
     extra_width = extra.shape[1]
     out = torch.empty(out_features, 2 * half_in + extra_width, dtype=extra.dtype, device=packed.device)
     grid = (out_features, triton.cdiv(half_in, _BYTES_PER_PROGRAM) + 1)
