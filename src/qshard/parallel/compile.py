@@ -73,6 +73,7 @@ def compile_blocks(
     keep_graphs_cacheable(graph_safe_rng=cuda_graphs)
     if checkpointed:
         quiet_traced_checkpoint_notice()
+        trace_checkpoints_through_restored_state()
     chosen = {id(b) for b in checkpointed}
     for block in blocks:
         forward = block.forward
@@ -172,6 +173,16 @@ def quiet_traced_checkpoint_notice() -> None:
     logger = logging.getLogger("torch._higher_order_ops.wrap")
     if not any(isinstance(f, _DropMessage) for f in logger.filters):
         logger.addFilter(_DropMessage("Detected that context_fn is passed to torch.utils.checkpoint"))
+
+
+def trace_checkpoints_through_restored_state() -> None:
+    """Let the compiler trace a checkpointed block whose forward sets outside state and restores it before
+    returning. transformers (5.25 on) runs attention through the `kernels` package, whose wrapper sets a context
+    variable around each attention forward and resets it after; inside a traced checkpoint torch refuses any such
+    write (a recompute would not replay it) and runs the whole checkpoint uncompiled, slowly and without saying so.
+    The write is undone within the forward, so the recompute needs no replay of it."""
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def keep_graphs_cacheable(graph_safe_rng: bool = False) -> None:
