@@ -92,13 +92,28 @@ def test_auto_replays_graphs_where_rows_fill_a_short_max_length():
     assert not on and "fill 90% of data.max_length (2,048)" in why, why
     assert not _choice(_auto(), [])[0]
     # A short run: the graphs' start-up would cost more than they save.
-    on, why = _choice(_auto(), [2048], micro_batches=999)
-    assert not on and "the run's 999 micro-batches would not repay" in why, why
-    assert _choice(_auto(), [2048], micro_batches=1000)[0] and _choice(_auto(), [2048], micro_batches=None)[0]
+    on, why = _choice(_auto(), [2048], micro_batches=199)
+    assert not on and "the run's 199 micro-batches would not repay" in why and "from 200 they do" in why, why
+    assert _choice(_auto(), [2048], micro_batches=200)[0] and _choice(_auto(), [2048], micro_batches=None)[0]
     # Long micro-batches: the host launches the kernels faster than they run, graphs save nothing.
     for cfg in (_auto(max_length=8192), _auto(micro_batch=3)):
         on, why = _choice(cfg, [cfg.data.max_length])
         assert not on and "a micro-batch of" in why and "tokens" in why, why
+
+
+def test_auto_asks_more_micro_batches_where_the_blocks_would_compile_again_each_run(monkeypatch):
+    """Where torch cannot cache graphs holding graph-safe random state (torch 2.11), blocks whose backward recomputes
+    attention compile again in each run under CUDA graphs: a run needs 1,000 micro-batches to repay that. Kept
+    projections keep attention's outputs, nothing random is recomputed, and 200 suffice, as where torch can cache."""
+    for cacheable in (True, False):
+        monkeypatch.setattr(compile_mod, "_graph_safe_rng_cacheable", lambda cacheable=cacheable: cacheable)
+        for kept in (True, False):
+            cfg = _auto(ac_save_projections=kept)
+            least = 200 if cacheable or kept else 1000
+            assert compile_mod.graph_min_micro_batches(cfg.parallel) == least
+            assert not _choice(cfg, [2048], micro_batches=least - 1)[0] and _choice(cfg, [2048], micro_batches=least)[0]
+    # `auto` not yet settled reads as off: as without kept projections.
+    assert compile_mod.graph_min_micro_batches(_auto().parallel) == 1000
 
 
 @pytest.mark.parametrize("setting, world_size, triton, says", [

@@ -115,6 +115,16 @@ def _narrowing_matmul(op, args) -> bool:
     return weight.shape[-1] <= weight.shape[-2]
 
 
+# The fused attention kernels torch's sdpa dispatches to: their outputs (the attention output and the softmax's
+# log-sum-exp) are what their backward reads beside q, k and v.
+_ATTENTION_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)
+)
+
+
 class _RecomputePolicy:
     """Which ops a traced checkpoint keeps for backward. A module-level class, not a closure: the compiler's
     cache pickles it with the graph it belongs to, and cannot pickle a local function. The NF4 layers of these
@@ -132,9 +142,10 @@ class _RecomputePolicy:
             return CheckpointPolicy.MUST_SAVE
         # Narrowing projections keep theirs when asked: the compiler keeps only those that backward reads
         # (attention's q, k and v, each adapter's low-rank input), not the outputs of o_proj and down_proj.
-        # With cuDNN attention the compiled graph then keeps attention's output too, so backward does not
-        # rerun attention (on CPU it does).
-        if self.save_projections and _narrowing_matmul(op, args):
+        # Attention then keeps its output and log-sum-exp: with q, k and v kept, those are all its backward
+        # reads, so the recompute runs no attention kernel, and nothing random (attention takes a dropout
+        # probability) is recomputed, which keeps CUDA graphs cacheable (compile.py, graph_min_micro_batches).
+        if self.save_projections and (op in _ATTENTION_OPS or _narrowing_matmul(op, args)):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -161,7 +172,7 @@ def traced_checkpoint(forward, save_projections: bool = False):
     tensors the gradients use, with each quantized weight dequantized once (docs/benchmarks-history.md).
     Why every op is forced to recompute: a plain checkpoint only marks ops as preferably recomputed, and
     the compiler's partitioner then keeps most of each block's activations for backward. `save_projections`
-    (parallel.ac_save_projections) exempts the narrowing matmuls (`_narrowing_matmul`)."""
+    (parallel.ac_save_projections) exempts the narrowing matmuls (`_narrowing_matmul`) and attention."""
     context = _checkpoint_context(save_projections)
 
     @functools.wraps(forward)

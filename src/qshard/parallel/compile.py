@@ -51,10 +51,12 @@ CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True}
 # (docs/benchmarks.md has the measurements).
 GRAPH_ROWS_FILLED = 0.95
 GRAPH_MAX_TOKENS = 4096
-# ... and where the run has at least this many micro-batches: recording the graphs (and, where torch cannot cache
-# graphs with graph-safe random state, compiling the blocks again in each run: `keep_graphs_cacheable`) costs about
-# as much start-up time as this many micro-batches save.
-GRAPH_MIN_MICRO_BATCHES = 1000
+# ... and where the run has at least this many micro-batches: recording the graphs costs about as much start-up time
+# (seconds) as this many micro-batches save. Where a block's backward recomputes a random op (attention, unless kept
+# projections keep it) and torch cannot cache graphs with graph-safe random state (`keep_graphs_cacheable`), the
+# blocks compile again in each run, a start-up the larger number repays (`graph_min_micro_batches`).
+GRAPH_MIN_MICRO_BATCHES = 200
+GRAPH_MIN_MICRO_BATCHES_RECOMPILED = 1000
 
 
 def compile_blocks(
@@ -189,7 +191,8 @@ def keep_graphs_cacheable(graph_safe_rng: bool = False) -> None:
     """Let torch's caches keep the blocks' compiled graphs, so that a later run loads them rather than compiles
     them again. Two settings of torch's stand in the way, each safe for qshard's blocks:
     - A block's graph holds random ops even without dropout (the attention kernel takes a dropout
-      probability), which a traced checkpoint replays with their random state. Where torch cannot cache the
+      probability), which a traced checkpoint that recomputes attention (without kept projections) replays with
+      their random state. Where torch cannot cache the
       wrapper it uses for that by default (the one CUDA graphs need, and qshard does not capture CUDA graphs),
       use the other, which it can; not under parallel.cuda_graphs (`graph_safe_rng`), whose graphs need the
       default: the blocks' graphs are then compiled again in each run.
@@ -197,10 +200,7 @@ def keep_graphs_cacheable(graph_safe_rng: bool = False) -> None:
       autograd functions unless allowed. qshard's quantized matmuls are such functions; the compiler traces
       their forward and backward into the graph, which is what the cache is keyed on, and they keep no state
       beyond it (a layer's tensors are graph inputs), so their graphs are safe to reuse."""
-    from torch._prims import rng_prims
-
-    graphsafe = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
-    if graphsafe is not None and not graphsafe.cacheable():
+    if not _graph_safe_rng_cacheable():
         torch._functorch.config.graphsafe_rng_functionalization = graph_safe_rng
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
 
@@ -248,7 +248,7 @@ def cuda_graphs_choice(cfg: Config, device: torch.device, world_size: int, lengt
     device, checkpointed inside their graphs: Config.cuda_graphs_unmet, then `traced()`, which asks the model, when
     given) and pay: the training rows (`lengths()`, tokens each) nearly fill data.max_length, which every
     micro-batch is padded to, a micro-batch is short, and the run's `micro_batches` left (None: not known, not
-    considered) repay the start-up (`GRAPH_ROWS_FILLED`, `GRAPH_MAX_TOKENS`, `GRAPH_MIN_MICRO_BATCHES`). The costly
+    considered) repay the start-up (`GRAPH_ROWS_FILLED`, `GRAPH_MAX_TOKENS`, `graph_min_micro_batches`). The costly
     questions, `lengths` and `traced`, are asked last."""
     p = cfg.parallel
     if p.cuda_graphs != AUTO:
@@ -263,9 +263,10 @@ def cuda_graphs_choice(cfg: Config, device: torch.device, world_size: int, lengt
     if tokens > GRAPH_MAX_TOKENS:
         return False, (f"parallel.cuda_graphs auto: off, a micro-batch of {tokens:,} tokens (data.max_length x "
                        f"train.micro_batch_size) launches its kernels faster than they run")
-    if micro_batches is not None and micro_batches < GRAPH_MIN_MICRO_BATCHES:
+    least = graph_min_micro_batches(p)
+    if micro_batches is not None and micro_batches < least:
         return False, (f"parallel.cuda_graphs auto: off, the run's {micro_batches:,} micro-batches would not repay "
-                       f"the graphs' start-up (seconds; from {GRAPH_MIN_MICRO_BATCHES:,} they do)")
+                       f"the graphs' start-up (seconds; from {least:,} they do)")
     rows = lengths()
     filled = float(rows.mean()) / cfg.data.max_length if len(rows) else 0.0
     if filled < GRAPH_ROWS_FILLED:
@@ -276,6 +277,23 @@ def cuda_graphs_choice(cfg: Config, device: torch.device, world_size: int, lengt
                        "compiled graph (a block with weights trained in full keeps its FSDP2 unit)")
     return True, (f"parallel.cuda_graphs auto: on, blocks replayed as CUDA graphs (rows {filled:.0%} full, padded to "
                   f"data.max_length {cfg.data.max_length:,})")
+
+
+def graph_min_micro_batches(p: ParallelConfig) -> int:
+    """The fewest micro-batches a run needs for CUDA graphs to repay their start-up: more where the blocks' graphs
+    would be compiled again in each run, which they are where torch cannot cache graph-safe random state and a
+    block's backward recomputes a random op (attention is one: it takes a dropout probability). Kept projections
+    (`ac_save_projections`, settled by then) keep attention's outputs, so nothing random is recomputed."""
+    if p.saves_projections() or _graph_safe_rng_cacheable():
+        return GRAPH_MIN_MICRO_BATCHES
+    return GRAPH_MIN_MICRO_BATCHES_RECOMPILED
+
+
+def _graph_safe_rng_cacheable() -> bool:
+    from torch._prims import rng_prims
+
+    graphsafe = getattr(rng_prims, "graphsafe_run_with_rng_state", None)
+    return graphsafe is None or graphsafe.cacheable()
 
 
 def decide_cuda_graphs(cfg: Config, device: torch.device, world_size: int, lengths: Callable[[], np.ndarray],

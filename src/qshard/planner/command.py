@@ -59,18 +59,20 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
     cfg = compile_planned(cfg, triton=True)
     model = plan_model(cfg, machine.world_size)
     planned, settled, found = copy.deepcopy(cfg), [], None
-    if cfg.parallel.cuda_graphs == AUTO:  # as `qshard train` would settle it for full training rows of `length`
-        rows = copy.deepcopy(cfg)
+    if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
+        planned.parallel.ac_save_projections, why, found = _save_projections(model, planned, machine, length)
+        settled.append(f"parallel.ac_save_projections auto: {why}")
+    if cfg.parallel.cuda_graphs == AUTO:  # as `qshard train` settles it (after the above) for full rows of `length`
+        rows = copy.deepcopy(planned)
         rows.data.max_length = length
         t = cfg.train
         micro_batches = t.max_steps * t.grad_accum if t.max_steps else None  # else the data decides the run's length
         planned.parallel.cuda_graphs, why = cuda_graphs_choice(
             rows, torch.device("cuda"), machine.world_size, lambda: np.array([length]), micro_batches,
             lambda: every_checkpoint_traced(model.model, model.blocks, machine.world_size, cfg), triton=True)
-        settled.append(why)
-    if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
-        planned.parallel.ac_save_projections, why, found = _save_projections(model, planned, machine, length)
-        settled.append(f"parallel.ac_save_projections auto: {why}")
+        settled.insert(0, why)
+        if planned.parallel.cuda_graphs:
+            found = None  # the projections' estimate was of blocks launched without graphs
     found = found or estimate(model, planned, machine, length)
     # The search from the settings as given: a candidate then names ac_save_projections wherever it could take
     # effect, since `qshard train` would settle `auto` again for the candidate's own settings (cuda_graphs auto
