@@ -359,6 +359,30 @@ def test_only_dropout_with_a_nonzero_rate_counts_as_random():
     assert _draws_random_numbers(aten.rand_like.default, (q,), {})
 
 
+def test_kept_projections_keep_every_sdpa_kernel_and_random_ones_always():
+    """The traced checkpoint's policy on each fused attention kernel sdpa dispatches to (the GPU's are never run on
+    a CPU, so asked here directly): kept with ac_save_projections, recomputed without, kept either way when it
+    drops out; and on the matmuls, narrowing ones kept with it only."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from qshard.parallel.checkpointing import _RecomputePolicy
+
+    aten = torch.ops.aten
+    assert {aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default} <= _ATTENTION_OPS
+    q = torch.randn(1, 2, 8, 4, device="meta")
+    for op in _ATTENTION_OPS:
+        for save, p, want in ((True, 0.0, "MUST_SAVE"), (False, 0.0, "MUST_RECOMPUTE"), (False, 0.1, "MUST_SAVE")):
+            got = _RecomputePolicy(save)(None, op, q, q, q, dropout_p=p)
+            assert got is getattr(CheckpointPolicy, want), (op, save, p, got)
+    x, narrowing, widening = torch.randn(8, 16, device="meta"), torch.randn(16, 4, device="meta"), \
+        torch.randn(16, 64, device="meta")
+    assert _RecomputePolicy(True)(None, aten.mm.default, x, narrowing) is CheckpointPolicy.MUST_SAVE
+    assert _RecomputePolicy(True)(None, aten.mm.default, x, widening) is CheckpointPolicy.MUST_RECOMPUTE
+    assert _RecomputePolicy(False)(None, aten.mm.default, x, narrowing) is CheckpointPolicy.MUST_RECOMPUTE
+
+
 def test_trainer_batches_ask_the_device_nothing(dist_env, tiny_models):
     """The trainer's device batch: the loss positions computed on the host, and no attention mask where nothing
     is padded (transformers would inspect it on the device). The loss is the same as with the mask."""

@@ -259,10 +259,10 @@ class ParallelConfig:
     ac_every: int = 1
     ac_reentrant: bool = False
     # Compiled blocks checkpointed inside their graph (one device, no LoRA dropout) keep the outputs of their
-    # narrowing projections (attention's q/k/v, LoRA's A) instead of recomputing them in backward: faster,
-    # for more activation memory (docs/configuration.md says how much). auto: on where it takes effect and
-    # `qshard train` predicts the run with it well inside the GPU's memory (planner/command.py, preflight), off
-    # elsewhere (and in code that builds a model without that prediction).
+    # narrowing projections (attention's q/k/v, LoRA's A) and attention's output and log-sum-exp instead of
+    # recomputing them in backward: faster, for more activation memory (docs/configuration.md says how much).
+    # auto: on where it takes effect and `qshard train` predicts the run with it well inside the GPU's memory
+    # (planner/command.py, preflight), off elsewhere (and in code that builds a model without that prediction).
     ac_save_projections: Literal["auto", True, False] = "auto"
     # Checkpointed blocks keep their attention's output and log-sum-exp from forward to backward, so the recompute
     # does not run attention again (causal attention without a mask or dropout; parallel/kept_attention.py): for

@@ -11,7 +11,8 @@ Compiled blocks that no FSDP2 unit holds (quantized, or training only LoRA/DoRA 
 checkpointed inside their graph instead where config.py's `checkpoint_trace_unmet` allows it (one device, no
 LoRA dropout): `traced_checkpoint`. The compiler then builds one backward graph per block that recomputes only
 what backward needs, under a policy that recomputes every op but random draws, so the block keeps its inputs
-and the outputs of its random ops (none without dropout).
+and the outputs of its random ops (none without dropout); with parallel.ac_save_projections also its narrowing
+projections and attention's outputs.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def _narrowing_matmul(op, args) -> bool:
 _ATTENTION_OPS = frozenset(
     getattr(torch.ops.aten, name).default
     for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_fused_attention_overrideable")
     if hasattr(torch.ops.aten, name)
 )
 

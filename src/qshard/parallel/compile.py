@@ -182,7 +182,9 @@ def trace_checkpoints_through_restored_state() -> None:
     returning. transformers (5.25 on) runs attention through the `kernels` package, whose wrapper sets a context
     variable around each attention forward and resets it after; inside a traced checkpoint torch refuses any such
     write (a recompute would not replay it) and runs the whole checkpoint uncompiled, slowly and without saying so.
-    The write is undone within the forward, so the recompute needs no replay of it."""
+    The write is undone within the forward, so the recompute needs no replay of it. The setting is torch's, for
+    the whole process: a checkpointed forward elsewhere in it with a lasting side effect would have that effect
+    once, not again in its recompute (qshard's blocks have none; hooks run outside their compiled forward)."""
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
@@ -192,10 +194,9 @@ def keep_graphs_cacheable(graph_safe_rng: bool = False) -> None:
     them again. Two settings of torch's stand in the way, each safe for qshard's blocks:
     - A block's graph holds random ops even without dropout (the attention kernel takes a dropout
       probability), which a traced checkpoint that recomputes attention (without kept projections) replays with
-      their random state. Where torch cannot cache the
-      wrapper it uses for that by default (the one CUDA graphs need, and qshard does not capture CUDA graphs),
-      use the other, which it can; not under parallel.cuda_graphs (`graph_safe_rng`), whose graphs need the
-      default: the blocks' graphs are then compiled again in each run.
+      their random state. Where torch cannot cache the wrapper it uses for that by default (the one CUDA graphs
+      need), use the other, which it can; not under parallel.cuda_graphs (`graph_safe_rng`), whose graphs need the
+      default: blocks that recompute attention then compile again in each run.
     - The graph of the autograd pass (AOTAutograd's cache, above inductor's) is cached only without custom
       autograd functions unless allowed. qshard's quantized matmuls are such functions; the compiler traces
       their forward and backward into the graph, which is what the cache is keyed on, and they keep no state
@@ -265,8 +266,9 @@ def cuda_graphs_choice(cfg: Config, device: torch.device, world_size: int, lengt
                        f"train.micro_batch_size) launches its kernels faster than they run")
     least = graph_min_micro_batches(p)
     if micro_batches is not None and micro_batches < least:
+        again = ", as the blocks would compile again in each run" if least == GRAPH_MIN_MICRO_BATCHES_RECOMPILED else ""
         return False, (f"parallel.cuda_graphs auto: off, the run's {micro_batches:,} micro-batches would not repay "
-                       f"the graphs' start-up (seconds; from {least:,} they do)")
+                       f"the graphs' start-up (seconds; from {least:,} they do{again})")
     rows = lengths()
     filled = float(rows.mean()) / cfg.data.max_length if len(rows) else 0.0
     if filled < GRAPH_ROWS_FILLED:

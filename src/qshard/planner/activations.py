@@ -159,13 +159,11 @@ def _saved_bytes(model: Skeleton, length: int, dtype: torch.dtype) -> tuple[list
 
 
 def _projection_bytes(block: nn.Module, dtype: torch.dtype) -> int:
-    """Per token, what a traced checkpoint keeps under ac_save_projections (parallel/checkpointing.py,
-    _narrowing_matmul): the outputs of the narrowing matmuls that backward reads (`kept_projections`), and
-    attention's output, which a GPU's compiled graph then keeps too."""
-    widths = sum(width for _, width, _ in kept_projections(block))
-    attention = max((m.in_features for name, m in block.named_modules()
-                     if _leaf(name) in _ATTENTION_OUTPUTS and hasattr(m, "in_features")), default=0)
-    return (widths + attention) * dtype.itemsize
+    """Per token, the outputs of the narrowing matmuls a traced checkpoint keeps under ac_save_projections
+    (parallel/checkpointing.py, _narrowing_matmul) that backward reads (`kept_projections`). Attention's output and
+    log-sum-exp, which it keeps with them, are counted where the attention implementation is known
+    (estimate.py, _kept_projections)."""
+    return sum(width for _, width, _ in kept_projections(block)) * dtype.itemsize
 
 
 def kept_projections(block: nn.Module) -> list[tuple[str, int, int]]:
@@ -187,7 +185,5 @@ def _leaf(name: str) -> str:
     return name.removesuffix(".base").rsplit(".", 1)[-1]
 
 
-# The leaf names of the projections back into the residual stream across the architectures transformers ships,
-# and of those among them that read attention's output.
-_ATTENTION_OUTPUTS = ("o_proj", "out_proj", "dense", "wo", "c_proj")
-_RESIDUAL_PROJECTIONS = (*_ATTENTION_OUTPUTS, "down_proj", "w2", "fc2", "dense_4h_to_h")
+# The leaf names of the projections back into the residual stream across the architectures transformers ships.
+_RESIDUAL_PROJECTIONS = ("o_proj", "out_proj", "dense", "wo", "c_proj", "down_proj", "w2", "fc2", "dense_4h_to_h")

@@ -342,20 +342,27 @@ def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes
 
 def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
     """Under ac_save_projections, where checkpoints are traced: the projections every checkpointed block keeps
-    inside its compiled graph, which activation offload's hooks are not counted on to reach."""
+    inside its compiled graph, which activation offload's hooks are not counted on to reach, and with sdpa
+    attention, whose kernels the policy keeps too (parallel/checkpointing.py), attention's output."""
     if not (_traced(cfg, shapes) and cfg.parallel.saves_projections()):
         return 0.0
     ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
-    return sum(shapes.tokens * acts.projections[i] for i, b in enumerate(model.blocks) if id(b) in ckpt)
+    projections = sum(shapes.tokens * acts.projections[i] for i, b in enumerate(model.blocks) if id(b) in ckpt)
+    attention = _attention_output_bytes(shapes) if cfg.model.attn_implementation == "sdpa" else 0.0
+    return projections + len(ckpt) * attention
 
 
 def _kept_attention(model: Skeleton, cfg: Config, shapes: Shapes) -> float:
-    """Under parallel.ac_keep_attention: each checkpointed block's attention output (compute dtype) and log-sum-exp
-    (fp32, one a head and token), held on the GPU from its forward to its backward (parallel/kept_attention.py)."""
+    """Under parallel.ac_keep_attention: each checkpointed block's attention output, held on the GPU from its
+    forward to its backward (parallel/kept_attention.py)."""
     if not cfg.parallel.ac_keep_attention:  # refused without checkpointing (config.py)
         return 0.0
-    per_token = shapes.attn_dim * shapes.compute + shapes.heads * 4
-    return len(checkpointed_blocks(model.blocks, cfg.parallel)) * shapes.attention_tokens * per_token
+    return len(checkpointed_blocks(model.blocks, cfg.parallel)) * _attention_output_bytes(shapes)
+
+
+def _attention_output_bytes(shapes: Shapes) -> float:
+    """One block's attention output (compute dtype) and log-sum-exp (fp32, one a head and token)."""
+    return shapes.attention_tokens * (shapes.attn_dim * shapes.compute + shapes.heads * 4)
 
 
 def _traced(cfg: Config, shapes: Shapes) -> bool:

@@ -63,9 +63,9 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
                                                + (2 if head_trains(plans) else 0))
     # Causal attention: QK^T and PV, half the matrix; backward about 2.5 forwards; once more if recomputed.
     recomputed_attention = ckpt
-    if traced and p.saves_projections():  # kept, not recomputed: the projections, attention
+    if traced and p.saves_projections():  # kept, not recomputed: the projections, sdpa's attention
         matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
-        recomputed_attention = 0.0
+        recomputed_attention = 0.0 if cfg.model.attn_implementation == "sdpa" else recomputed_attention
     if p.ac_keep_attention:  # the recompute takes the forward's attention (parallel/kept_attention.py)
         recomputed_attention = 0.0
     per_pass = 2 * shapes.attention_tokens * shapes.seq * shapes.attn_dim * shapes.blocks
