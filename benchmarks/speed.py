@@ -13,7 +13,8 @@ Unsloth refusing the machine, is its row with the error's line)
   median step time over the steps after warm-up, tok/s, MFU, peak allocated GPU memory, ratio to the reference,
   and the first step's time (for a compiled run: the compilation, or the caches' lookup when warm); then, per
   qshard run, what its config.yaml says of the options `auto` settles (parallel.cuda_graphs: off for fewer than
-  200 micro-batches, so speed.py's runs measure it only when given `--qshard-args "--parallel.cuda_graphs true"`).
+  200 micro-batches, 1,000 without kept projections on torch 2.11, so speed.py's runs of fewer steps measure it only
+  when given `--qshard-args "--parallel.cuda_graphs true"`).
 
 MFU = tok/s x 6 x N / peak, as the training log line computes it (qshard.train.metrics.matmul_flops_per_token
 and peak_bf16_flops), where N counts the weights of every matmul a token goes through (the blocks'

@@ -370,12 +370,18 @@ def test_kept_projections_keep_every_sdpa_kernel_and_random_ones_always():
     aten = torch.ops.aten
     assert {aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default} <= _ATTENTION_OPS
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_fused_attention_overrideable.default} <= _ATTENTION_OPS
     q = torch.randn(1, 2, 8, 4, device="meta")
     for op in _ATTENTION_OPS:
-        for save, p, want in ((True, 0.0, "MUST_SAVE"), (False, 0.0, "MUST_RECOMPUTE"), (False, 0.1, "MUST_SAVE")):
+        for save, p, want in ((True, 0.0, "MUST_SAVE"), (False, 0.0, "MUST_RECOMPUTE"), (True, 0.1, "MUST_SAVE"),
+                              (False, 0.1, "MUST_SAVE")):
             got = _RecomputePolicy(save)(None, op, q, q, q, dropout_p=p)
             assert got is getattr(CheckpointPolicy, want), (op, save, p, got)
+    # As the checkpoint calls them: the dropout probability by position (after the bias and log-sum-exp flag).
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    assert _RecomputePolicy(False)(None, efficient, q, q, q, None, True, 0.1) is CheckpointPolicy.MUST_SAVE
+    assert _RecomputePolicy(False)(None, efficient, q, q, q, None, True, 0.0) is CheckpointPolicy.MUST_RECOMPUTE
     x, narrowing, widening = torch.randn(8, 16, device="meta"), torch.randn(16, 4, device="meta"), \
         torch.randn(16, 64, device="meta")
     assert _RecomputePolicy(True)(None, aten.mm.default, x, narrowing) is CheckpointPolicy.MUST_SAVE

@@ -259,7 +259,7 @@ class ParallelConfig:
     ac_every: int = 1
     ac_reentrant: bool = False
     # Compiled blocks checkpointed inside their graph (one device, no LoRA dropout) keep the outputs of their
-    # narrowing projections (attention's q/k/v, LoRA's A) and attention's output and log-sum-exp instead of
+    # narrowing projections (attention's q/k/v, LoRA's A) and sdpa attention's output and log-sum-exp instead of
     # recomputing them in backward: faster, for more activation memory (docs/configuration.md says how much).
     # auto: on where it takes effect and `qshard train` predicts the run with it well inside the GPU's memory
     # (planner/command.py, preflight), off elsewhere (and in code that builds a model without that prediction).

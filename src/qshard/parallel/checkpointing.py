@@ -12,7 +12,7 @@ checkpointed inside their graph instead where config.py's `checkpoint_trace_unme
 LoRA dropout): `traced_checkpoint`. The compiler then builds one backward graph per block that recomputes only
 what backward needs, under a policy that recomputes every op but random draws, so the block keeps its inputs
 and the outputs of its random ops (none without dropout); with parallel.ac_save_projections also its narrowing
-projections and attention's outputs.
+projections and the outputs of sdpa attention's kernels.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from qshard.parallel.fsdp import reshard_after_forward
 from qshard.planner.activations import BlockActivations, probe_activations
 from qshard.planner.hardware import Machine
 from qshard.planner.layout import TensorPlan, per_skeleton, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
-from qshard.planner.speed import extra_forwards, head_gradient_in_forward, head_trains, step_times
+from qshard.planner.speed import extra_forwards, head_gradient_in_forward, head_trains, runs_sdpa, step_times
 from qshard.precision import precision
 from qshard.quant import QuantizedLinear
 from qshard.train.grad_sum import defers_grad_sum
@@ -348,7 +348,7 @@ def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shap
         return 0.0
     ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
     projections = sum(shapes.tokens * acts.projections[i] for i, b in enumerate(model.blocks) if id(b) in ckpt)
-    attention = _attention_output_bytes(shapes) if cfg.model.attn_implementation == "sdpa" else 0.0
+    attention = _attention_output_bytes(shapes) if runs_sdpa(model) else 0.0
     return projections + len(ckpt) * attention
 
 

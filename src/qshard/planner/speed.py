@@ -31,6 +31,13 @@ def head_trains(plans: list[TensorPlan]) -> bool:
     return any(p.trainable and "lm_head" in p.name for p in plans)
 
 
+def runs_sdpa(model: Skeleton) -> bool:
+    """Whether the model as built runs sdpa attention, whose kernels kept projections keep with them
+    (parallel/checkpointing.py); an architecture without it is built with eager attention (models.py), which the
+    traced checkpoint recomputes."""
+    return getattr(model.model.config, "_attn_implementation", None) == "sdpa"
+
+
 def head_gradient_in_forward(model: Skeleton, cfg: Config, plans: list[TensorPlan]) -> bool:
     """Whether the loss takes the head's gradient in forward (train/loss.py, `_FrozenHeadCE`): a frozen head under
     the chunked loss, outside fp16. Otherwise the logits are computed again in backward (a chunked loss) or kept for
@@ -65,7 +72,7 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     recomputed_attention = ckpt
     if traced and p.saves_projections():  # kept, not recomputed: the projections, sdpa's attention
         matmul -= t * 2 * ckpt * sum(w for b in model.blocks for _, _, w in kept_projections(b))
-        recomputed_attention = 0.0 if cfg.model.attn_implementation == "sdpa" else recomputed_attention
+        recomputed_attention = 0.0 if runs_sdpa(model) else recomputed_attention
     if p.ac_keep_attention:  # the recompute takes the forward's attention (parallel/kept_attention.py)
         recomputed_attention = 0.0
     per_pass = 2 * shapes.attention_tokens * shapes.seq * shapes.attn_dim * shapes.blocks
