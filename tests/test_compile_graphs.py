@@ -295,3 +295,62 @@ def test_offloaded_qdora_blocks_fetch_each_tensor_once_a_pass(dist_env, tiny_mod
         torch.testing.assert_close(eager["grads"][name], plain["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
     for run in (eager, compiled):
         torch.testing.assert_close(run["eval"], plain["eval"], rtol=1e-6, atol=1e-6)
+
+
+class _ScopedRegistry:
+    """Outside state a forward sets and restores, shaped like the `kernels` package's (a dependency of transformers
+    from 5.25 on) around each attention forward: a global value the compiler sees written, holding modules and
+    functions (not constants, whose restored writes torch checks by value and lets pass)."""
+
+    def __init__(self) -> None:
+        self.value = None
+
+    def set(self, value):
+        previous, self.value = self.value, value
+        return previous
+
+    def reset(self, previous) -> None:
+        self.value = previous
+
+
+_REGISTRY = _ScopedRegistry()
+
+
+class _BlockWithScopedState(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        previous = _REGISTRY.set({"linear": (self.linear, type(self.linear).forward)})
+        try:
+            return x + self.linear(x).relu()
+        finally:
+            _REGISTRY.reset(previous)
+
+
+def test_a_traced_checkpoint_compiles_a_forward_that_sets_and_restores_outside_state():
+    """A block whose forward sets outside state and restores it (as transformers' attention does through the
+    `kernels` package) still runs one compiled graph with its checkpoint traced inside: torch refuses such a write
+    in a checkpoint unless told the recompute need not replay it (compile.py, trace_checkpoints_through_restored_state),
+    and would otherwise run the checkpoint uncompiled. Gradients as eager blocks'; the state restored."""
+    torch.manual_seed(0)
+    eager = [_BlockWithScopedState() for _ in range(2)]
+    compiled = [_BlockWithScopedState() for _ in range(2)]
+    for a, b in zip(eager, compiled):
+        b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compile_blocks(compiled, "aot_eager", compiled)
+        for blocks in (eager, compiled):
+            blocks[1](blocks[0](x.clone().requires_grad_())).square().sum().backward()
+        breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert not breaks and graphs == 1, (breaks, graphs)
+    assert _REGISTRY.value is None
+    for a, b in zip(eager, compiled):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
