@@ -103,8 +103,8 @@ MEASURED = [
     # The defaults of the eighteenth session (2026-12-03), one sitting: replayed as CUDA graphs (what cuda_graphs auto
     # chooses for a long run of full rows; predicted 10.07 GiB, 10,926 tok/s), launched (10,548 predicted), and at
     # 8,192 tokens, where auto leaves graphs off (17.31 GiB, 11,953 tok/s predicted). These and the nineteenth
-    # session's row ran code whose kept projections did not keep attention's output, which the planner counted: its
-    # peaks were over-predicted by that much (0.5 GiB at 2,048 tokens, 2 GiB at 8,192).
+    # session's row ran code whose kept projections did not keep attention's output (0.5 GiB at 2,048 tokens, 2 GiB
+    # at 8,192), which the planner counted all the same.
     (["--seq", "2048", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true",
       "--parallel.cuda_graphs", "true"], 9.87, 12192),
     (["--seq", "2048", "--parallel.ac_save_projections", "true", "--quant.double_quant", "true"], 9.86, 10841),
