@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import run_on_ranks
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -110,6 +111,8 @@ def test_one_rank_trains_as_the_embedding_on_the_device(objective, tiny_models, 
     assert not seen["embed_in_unit"] and seen["embed_device"] == "cpu", seen
     assert watched_off is None  # the run without the option was built before the watch
     if objective == "sft":
+        # The run with the defaults: `auto` settled off where there is no GPU, and its config.yaml says so.
+        assert yaml.safe_load((tmp_path / "off" / "config.yaml").read_text())["model"]["embedding_on_host"] is False
         assert (tmp_path / "on" / "samples.jsonl").read_text() == (tmp_path / "off" / "samples.jsonl").read_text()
         assert cli_main(["generate", "--run", str(tmp_path / "on"), "--prompt", "Count to 3.",
                          "--max-new-tokens", "3"]) == 0
@@ -167,6 +170,63 @@ def test_plan_moves_the_embedding_from_each_gpu_to_the_host(capsys):
     assert on["parts"]["embedding and head"] == pytest.approx(off["parts"]["embedding and head"] - embedding / 2,
                                                               abs=0.01), (on["parts"], off["parts"])
     assert on["peak_gpu_gib"] < off["peak_gpu_gib"]
+
+
+@pytest.mark.parametrize("extra, on, why", [
+    ((), True, "on (one GPU"),
+    (("--gpus", "2"), False, "off (2 ranks"),
+    (("--parallel.cpu_offload", "true"), False, "off (parallel.cpu_offload"),
+    (("--parallel.activation_offload", "true"), False, "off (parallel.activation_offload"),
+    (("--train.train_type", "full"), False, "off (train.train_type full trains the input embedding)"),
+    (("--lora.modules_to_save", "embed_tokens"), False, "off (lora.modules_to_save trains the input embedding)"),
+    (("--tied",), False, "off (the input embedding is tied to the output head"),
+], ids=["one-gpu", "two-gpus", "cpu-offload", "activation-offload", "full", "modules-to-save", "tied"])
+def test_auto_looks_the_embedding_up_on_the_host_for_one_gpu_only(extra, on, why, tiny_models, capsys):
+    """`qshard plan` settles model.embedding_on_host auto as `qshard train` does on that machine: on for one GPU
+    with an embedding that neither trains nor is the head's, the embedding then out of the GPU's peak; off, and
+    why, for several GPUs, either offload, and an embedding that must stay with the GPU. An explicit value stays."""
+    tied = extra == ("--tied",)
+    model_dir = tiny_models("llama", num_hidden_layers=1, tie_word_embeddings=tied)
+    extra = () if tied else extra
+
+    def plan(*more):
+        capsys.readouterr()
+        assert cli_main(["plan", "--model", str(model_dir), "--seq", "64", "--gpu-kind", "h200", *extra, *more]) == 0
+        return capsys.readouterr().out
+
+    settled = [line for line in plan().splitlines() if "model.embedding_on_host auto" in line]
+    assert len(settled) == 1 and why in settled[0], settled
+    as_json = json.loads(plan("--json"))
+    assert as_json["embedding_on_host"] is on
+    given = json.loads(plan("--json", "--model.embedding_on_host", "false"))
+    assert "embedding_on_host" not in given  # given, not settled
+    if not tied:  # the tiny tied model's embedding is the head's weight: counted once either way
+        shape = json.loads((model_dir / "config.json").read_text())
+        embedding = shape["vocab_size"] * shape["hidden_size"] * 2 / 2**30  # bf16
+        gap = given["parts"]["embedding and head"] - as_json["parts"]["embedding and head"]
+        assert gap == pytest.approx(embedding if on else 0.0, abs=1e-6)
+
+
+def test_train_settles_auto_before_it_predicts_the_run(tiny_models, caplog, dist_env):
+    """`qshard train`'s preflight on a one-GPU machine (predicted here on the CPU) settles `auto` on, says so once,
+    and predicts the run with the embedding on the host; without a GPU (no machine) it settles off."""
+    import logging
+
+    from qshard.config import resolve
+    from qshard.planner.command import preflight
+    from qshard.planner.hardware import Machine, gpu
+
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    cfg = resolve(None, [("model.path", str(model_dir))])
+    assert cfg.model.embedding_on_host == "auto"
+    with caplog.at_level(logging.INFO, logger="qshard"):
+        preflight(cfg, Machine(gpu("h200")), model_dir, vocab, auto_fit=False, is_main=True)
+    assert cfg.model.embedding_on_host is True
+    assert sum("model.embedding_on_host auto: on" in r.getMessage() for r in caplog.records) == 1
+    cpu = resolve(None, [("model.path", str(model_dir))])
+    preflight(cpu, None, model_dir, vocab, auto_fit=False, is_main=True)
+    assert cpu.model.embedding_on_host is False
 
 
 @pytest.mark.parametrize("staged", [False, True])

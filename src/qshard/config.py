@@ -58,8 +58,15 @@ class ModelConfig:
     # The Hub id's revision (branch, tag or commit) when model.path is a Hub id; empty: its default branch.
     revision: str | None = None
     # Look the input embedding up on the host, from a host copy of its weight, instead of keeping it on the GPU
-    # (host_embedding.py): LoRA/QLoRA/DoRA with an untied, frozen embedding only.
-    embedding_on_host: bool = False
+    # (host_embedding.py): LoRA/QLoRA/DoRA with an untied, frozen embedding only. auto: on where one process trains
+    # on one GPU, without parallel.cpu_offload, and the embedding can be looked up there (host_embedding.py,
+    # embedding_on_host_choice); off elsewhere (and in code that builds a model without that decision).
+    embedding_on_host: Literal["auto", True, False] = "auto"
+
+    def looks_up_on_host(self) -> bool:
+        """Whether the input embedding is looked up on the host (embedding_on_host): `auto` not yet settled reads
+        as off."""
+        return self.embedding_on_host is True
 
 
 # lora.init: peft's init_lora_weights names; pissa_niter_N for the iteration counts in use (peft's docs use 4 and 16).

@@ -53,6 +53,9 @@ def reading_config(cfg: config_mod.Config) -> config_mod.Config:
     export runs no forward to compile."""
     cfg.parallel.sharding, cfg.parallel.replicate_degree, cfg.parallel.cpu_offload = "full", 0, False
     cfg.parallel.compile, cfg.parallel.cuda_graphs, cfg.parallel.ac_save_projections = False, False, False
+    # Neither reading weights back nor generating holds training's state: the embedding fits on the GPU, where each
+    # generated token's row needs no trip through the host.
+    cfg.model.embedding_on_host = False
     return cfg
 
 

@@ -49,7 +49,7 @@ class HostEmbedding:
     def attach(model: nn.Module, cfg: Config, dtype: torch.dtype) -> HostEmbedding | None:
         """With model.embedding_on_host, note the skeleton's input embedding as looked up on the host, after
         refusing (one line) an embedding that trains or that the head shares; None without the option."""
-        if not cfg.model.embedding_on_host:
+        if not cfg.model.looks_up_on_host():
             return None
         embed = model.get_input_embeddings()
         reason = _kept_on_device(model, embed, cfg)
@@ -73,6 +73,30 @@ class HostEmbedding:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of host `ids` as the model's embedding gives them, in the compute dtype, without grad."""
         return self.forward(ids).to(self.dtype).detach()
+
+
+def embedding_on_host_choice(cfg: Config, on_gpu: bool, world_size: int, skeleton: Callable[[], nn.Module]
+                             ) -> tuple[bool, str]:
+    """(whether `auto` looks the embedding up on the host, why in a few words): where one process trains on one
+    GPU, whose memory then holds no copy of the embedding, at no measured cost in speed (the rows are looked up a
+    step ahead); not where FSDP2 shards it over several GPUs (each would save 1/N of it, and each rank would hold
+    a whole host copy), under parallel.cpu_offload (the weights live in host memory already) or
+    parallel.activation_offload (whose pinned copies need the host's memory more), or where the
+    embedding must stay with the GPU (`_kept_on_device`, asked of `skeleton()`, the run's model built with `auto`
+    read as off)."""
+    if not on_gpu:
+        return False, "off (no GPU: nothing to save)"
+    if world_size > 1:
+        return False, f"off ({world_size} ranks: FSDP2 shards the embedding over their GPUs)"
+    if cfg.parallel.cpu_offload:
+        return False, "off (parallel.cpu_offload keeps the weights in host memory)"
+    if cfg.parallel.activation_offload:  # the rows, pinned, would take host memory the activations need
+        return False, "off (parallel.activation_offload spends the host's memory)"
+    model = skeleton()
+    reason = _kept_on_device(model, model.get_input_embeddings(), cfg)
+    if reason:
+        return False, f"off ({reason})"
+    return True, "on (one GPU, a frozen input embedding of its own: its rows looked up on the host a step ahead)"
 
 
 def _kept_on_device(model: nn.Module, embed: nn.Module, cfg: Config) -> str | None:

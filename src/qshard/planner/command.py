@@ -15,6 +15,7 @@ import torch
 from qshard.build import Skeleton, skeleton, training_tokenizer
 from qshard.config import QUANTIZED_TRAIN_TYPES, Config
 from qshard.errors import QShardError
+from qshard.host_embedding import embedding_on_host_choice
 from qshard.parallel.compile import AUTO, compile_choice, cuda_graphs_choice, with_compile_decided
 from qshard.parallel.distributed import add_cpu_collectives, from_rank0
 from qshard.parallel.fsdp import every_checkpoint_traced
@@ -57,8 +58,12 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
     if length <= 0:
         raise QShardError(f"--seq must be > 0, got {length}")
     cfg = compile_planned(cfg, triton=True)
+    # model.embedding_on_host auto first, as `qshard train` settles it: the model and every setting below (--fit's
+    # too) are planned with the embedding where the run would keep it.
+    embedding = settle_embedding_on_host(cfg, True, machine.world_size)
+    settled = [embedding] if embedding else []
     model = plan_model(cfg, machine.world_size)
-    planned, settled, found = copy.deepcopy(cfg), [], None
+    planned, found = copy.deepcopy(cfg), None
     if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
         planned.parallel.ac_save_projections, why, found = _save_projections(model, planned, machine, length)
         settled.append(f"parallel.ac_save_projections auto: {why}")
@@ -83,6 +88,8 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
         for key in ("ac_save_projections", "cuda_graphs"):
             if getattr(cfg.parallel, key) == AUTO:
                 out[key] = getattr(planned.parallel, key)
+        if embedding:
+            out["embedding_on_host"] = cfg.model.embedding_on_host
         if fits is not None:
             out["fit"] = [_candidate_json(c) for c in fits[0]]
         print(json.dumps(out))
@@ -183,6 +190,10 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
     one line when it is predicted not to fit, or with `auto_fit` apply the fastest settings predicted to fit,
     rank 0's choice on every rank (nodes that differ in host memory could otherwise choose apart), with the CPU
     collectives it needs added to the run's process group."""
+    why = settle_embedding_on_host(cfg, machine is not None, machine.world_size if machine else 1, model_dir,
+                                   vocab_size)
+    if why and is_main:
+        log.info(why)
     if machine is None:
         if auto_fit and is_main:
             log.warning("--auto-fit: the device's memory is unknown here (no CUDA); the settings are kept as given")
@@ -216,6 +227,19 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
             log.info("parallel.ac_save_projections auto: %s", why)
     elif not auto_fit and is_main:
         _guarded(predict)
+
+
+def settle_embedding_on_host(cfg: Config, on_gpu: bool, world_size: int, model_dir: Path | None = None,
+                             vocab_size: int | None = None) -> str | None:
+    """model.embedding_on_host auto settled in `cfg` (host_embedding.py, embedding_on_host_choice) for a run of
+    `world_size` processes, on GPUs or not, before anything is predicted or built from it; the line that says
+    how, or None where it was given. Every rank settles it alike: the skeleton is asked only of one process."""
+    if cfg.model.embedding_on_host != AUTO:
+        return None
+    on, why = embedding_on_host_choice(cfg, on_gpu, world_size,
+                                       lambda: plan_model(cfg, world_size, model_dir, vocab_size).model)
+    cfg.model.embedding_on_host = on
+    return f"model.embedding_on_host auto: {why}"
 
 
 def _save_projections(model: Skeleton, cfg: Config, machine: Machine, seq: int

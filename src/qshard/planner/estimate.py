@@ -450,7 +450,7 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
 
 def _host_rows(cfg: Config, shapes: Shapes) -> float:
     """model.embedding_on_host: a step's and the next step's micro-batches' embedding rows, pinned (bytes)."""
-    if not cfg.model.embedding_on_host:
+    if not cfg.model.looks_up_on_host():
         return 0.0
     return 2 * cfg.train.grad_accum * _pinned(shapes.tokens * shapes.hidden * shapes.compute)
 

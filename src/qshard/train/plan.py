@@ -56,8 +56,11 @@ class RunPlan:
         name = architecture(model)
         source = self.cfg.model.path or f"model.shape {self.cfg.model.shape}"
         init = ", random weights" if self.cfg.model.init == "random" or self.cfg.model.shape else ""
+        host = self.cfg.model.embedding_on_host
+        embedding = ("; input embedding looked up on the host" if host is True else
+                     "; model.embedding_on_host auto (settled when the run starts)" if host == "auto" else "")
         return (f"{source} ({name}, {len(self.model.blocks)} layers, {self.model.base_params:,} parameters"
-                f"{init})")
+                f"{init}){embedding}")
 
     def _train_type(self) -> str:
         cfg, report = self.cfg, self.model.report
