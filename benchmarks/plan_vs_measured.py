@@ -206,7 +206,10 @@ def main() -> None:
             if old["name"] in FIT_CHECKS:  # a --fit check: its choice (or failure) is kept as it was made
                 record(old)
                 continue
-            record(compare(old["name"], old["options"], predict([*old["options"], *COMMON], args), old["measured"]))
+            # Runs recorded before model.embedding_on_host had `auto` (2026-12-04) kept the embedding on the GPU.
+            given = old["options"] if "--model.embedding_on_host" in old["options"] else \
+                [*old["options"], "--model.embedding_on_host", "false"]
+            record(compare(old["name"], given, predict([*given, *COMMON], args), old["measured"]))
         plot(results, args.out / "plan_vs_measured.png")
         return
     for name, options in runs.items():

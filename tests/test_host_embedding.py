@@ -207,12 +207,13 @@ def test_auto_looks_the_embedding_up_on_the_host_for_one_gpu_only(extra, on, why
         assert gap == pytest.approx(embedding if on else 0.0, abs=1e-6)
 
 
-def test_train_settles_auto_before_it_predicts_the_run(tiny_models, caplog, dist_env):
+def test_train_settles_auto_before_it_predicts_the_run(tiny_models, caplog, dist_env, monkeypatch):
     """`qshard train`'s preflight on a one-GPU machine (predicted here on the CPU) settles `auto` on, says so once,
     and predicts the run with the embedding on the host; without a GPU (no machine) it settles off."""
     import logging
 
     from qshard.config import resolve
+    from qshard.planner import command
     from qshard.planner.command import preflight
     from qshard.planner.hardware import Machine, gpu
 
@@ -220,13 +221,93 @@ def test_train_settles_auto_before_it_predicts_the_run(tiny_models, caplog, dist
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     cfg = resolve(None, [("model.path", str(model_dir))])
     assert cfg.model.embedding_on_host == "auto"
+    predicted = []
+    estimate = command.estimate
+
+    def recorded(model, planned, *args, **kwargs):  # what the prediction saw
+        predicted.append(planned.model.embedding_on_host)
+        return estimate(model, planned, *args, **kwargs)
+
+    monkeypatch.setattr(command, "estimate", recorded)
     with caplog.at_level(logging.INFO, logger="qshard"):
         preflight(cfg, Machine(gpu("h200")), model_dir, vocab, auto_fit=False, is_main=True)
-    assert cfg.model.embedding_on_host is True
+    assert cfg.model.embedding_on_host is True and predicted and all(v is True for v in predicted), predicted
     assert sum("model.embedding_on_host auto: on" in r.getMessage() for r in caplog.records) == 1
     cpu = resolve(None, [("model.path", str(model_dir))])
     preflight(cpu, None, model_dir, vocab, auto_fit=False, is_main=True)
     assert cpu.model.embedding_on_host is False
+
+
+def test_auto_is_settled_for_each_setting_fit_tries(tiny_models):
+    """--fit (and --auto-fit) plan each setting with the embedding where `qshard train` would settle `auto` for
+    it: on the GPU under either offload, on the host otherwise; the same search with `auto` given as off keeps it
+    on the GPU throughout."""
+    from qshard.config import resolve
+    from qshard.planner.command import compile_planned, plan_model
+    from qshard.planner.fit import search
+    from qshard.planner.hardware import Machine, gpu
+
+    def candidates(value):
+        cfg = compile_planned(resolve(None, [("model.shape", "llama3-8b"), ("model.embedding_on_host", value)]),
+                              triton=True)
+        found, _ = search(plan_model(cfg, 1), cfg, Machine(gpu("h200")), 2048, top=400)
+        return found
+
+    embedding = 128_256 * 4_096 * 2 / 2**30
+    found = candidates("auto")
+    offloads = ("--parallel.cpu_offload true", "--parallel.activation_offload true")
+    kinds = set()
+    for c in found:
+        offloaded = any(flag in c.flags() for flag in offloads)
+        kinds.add(offloaded)
+        on_gpu = c.estimate.parts["embedding and head"]
+        assert on_gpu == pytest.approx(2 * embedding if offloaded else embedding, abs=0.01), (c.flags(), on_gpu)
+        assert (c.estimate.host_parts.get("input embedding", 0) > 0) is not offloaded, c.flags()
+    assert kinds == {False, True}  # both kinds of setting were searched
+    assert all(c.estimate.parts["embedding and head"] == pytest.approx(2 * embedding, abs=0.01)
+               for c in candidates("false"))
+
+
+def test_auto_left_unsettled_reads_as_off_and_several_ranks_build_nothing(monkeypatch):
+    """Code that builds a model without settling `auto` keeps the embedding on the GPU; several ranks settle it off
+    without building a skeleton (every rank must choose alike, and only one would have one to ask)."""
+    from qshard.config import resolve
+    from qshard.host_embedding import HostEmbedding
+    from qshard.planner import command
+    from qshard.planner.estimate import _host_rows
+
+    cfg = resolve(None, [("model.shape", "llama3-8b")])
+    assert cfg.model.embedding_on_host == "auto" and not cfg.model.looks_up_on_host()
+    model = command.plan_model(cfg, 1)
+    assert HostEmbedding.of(model.model) is None and _host_rows(cfg, None) == 0.0
+
+    def no_skeleton(*args, **kwargs):
+        raise AssertionError("a skeleton was built")
+
+    monkeypatch.setattr(command, "plan_model", no_skeleton)
+    why = command.settle_embedding_on_host(cfg, True, 2)
+    assert cfg.model.embedding_on_host is False and why == (
+        "model.embedding_on_host auto: off (2 ranks: FSDP2 shards the embedding over their GPUs)")
+    failing = resolve(None, [("model.shape", "llama3-8b")])
+    assert "off (the model's skeleton" in command.settle_embedding_on_host(failing, True, 1)  # never stops a run
+
+
+def test_a_run_on_one_gpu_settles_auto_on_and_says_so_in_its_config(tiny_models, data, tmp_path, monkeypatch,
+                                                                    capsys):
+    """`qshard train` with the defaults, where the machine is one GPU (its prediction stood in for on the CPU):
+    the run keeps the embedding on the host, says so once, and its config.yaml says true."""
+    from qshard.planner.hardware import Machine, gpu
+    from qshard.train import run as run_mod
+
+    monkeypatch.setattr(run_mod, "this_machine", lambda device, world: Machine(gpu("h200")))
+    model_dir = tiny_models("llama", num_hidden_layers=1)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert cli_main(_args(model_dir, data, out, "sft")) == 0
+    err = capsys.readouterr().err
+    assert err.count("model.embedding_on_host auto: on (one GPU") == 1, err
+    assert "input embedding looked up on the host" in err
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["embedding_on_host"] is True
 
 
 @pytest.mark.parametrize("staged", [False, True])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from qshard.build import Skeleton, skeleton, training_tokenizer
 from qshard.config import QUANTIZED_TRAIN_TYPES, Config
@@ -58,12 +59,12 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
     if length <= 0:
         raise QShardError(f"--seq must be > 0, got {length}")
     cfg = compile_planned(cfg, triton=True)
-    # model.embedding_on_host auto first, as `qshard train` settles it: the model and every setting below (--fit's
-    # too) are planned with the embedding where the run would keep it.
-    embedding = settle_embedding_on_host(cfg, True, machine.world_size)
-    settled = [embedding] if embedding else []
     model = plan_model(cfg, machine.world_size)
     planned, found = copy.deepcopy(cfg), None
+    # model.embedding_on_host auto first, as `qshard train` settles it: the settings below are planned with the
+    # embedding where the run would keep it (--fit's search settles it for each setting it tries).
+    embedding = settle_embedding_on_host(planned, True, machine.world_size, skeleton=model)
+    settled = [embedding] if embedding else []
     if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
         planned.parallel.ac_save_projections, why, found = _save_projections(model, planned, machine, length)
         settled.append(f"parallel.ac_save_projections auto: {why}")
@@ -89,7 +90,7 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
             if getattr(cfg.parallel, key) == AUTO:
                 out[key] = getattr(planned.parallel, key)
         if embedding:
-            out["embedding_on_host"] = cfg.model.embedding_on_host
+            out["embedding_on_host"] = planned.model.embedding_on_host
         if fits is not None:
             out["fit"] = [_candidate_json(c) for c in fits[0]]
         print(json.dumps(out))
@@ -190,6 +191,15 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
     one line when it is predicted not to fit, or with `auto_fit` apply the fastest settings predicted to fit,
     rank 0's choice on every rank (nodes that differ in host memory could otherwise choose apart), with the CPU
     collectives it needs added to the run's process group."""
+    if auto_fit and machine is not None:
+        overrides = from_rank0(lambda: _guarded(lambda: _auto_fit(cfg, machine, model_dir, vocab_size)), is_main)
+        for dotted, value in overrides or []:
+            section, key = dotted.split(".")
+            setattr(getattr(cfg, section), key, _typed(getattr(getattr(cfg, section), key), value))
+        if cfg.parallel.cpu_offload:  # the gradient norm is reduced on the host
+            add_cpu_collectives()
+    # model.embedding_on_host auto, once the settings are final (--auto-fit's search settled it for each it tried),
+    # before the run is predicted: every rank alike.
     why = settle_embedding_on_host(cfg, machine is not None, machine.world_size if machine else 1, model_dir,
                                    vocab_size)
     if why and is_main:
@@ -198,13 +208,6 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
         if auto_fit and is_main:
             log.warning("--auto-fit: the device's memory is unknown here (no CUDA); the settings are kept as given")
         return
-    if auto_fit:
-        overrides = from_rank0(lambda: _guarded(lambda: _auto_fit(cfg, machine, model_dir, vocab_size)), is_main)
-        for dotted, value in overrides or []:
-            section, key = dotted.split(".")
-            setattr(getattr(cfg, section), key, _typed(getattr(getattr(cfg, section), key), value))
-        if cfg.parallel.cpu_offload:  # the gradient norm is reduced on the host
-            add_cpu_collectives()
     # parallel.ac_save_projections auto (--auto-fit sets it wherever it could take effect): settled here, rank 0's
     # choice on every rank, said once; off where the run cannot be predicted.
     settle = cfg.parallel.ac_save_projections == AUTO
@@ -230,14 +233,21 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
 
 
 def settle_embedding_on_host(cfg: Config, on_gpu: bool, world_size: int, model_dir: Path | None = None,
-                             vocab_size: int | None = None) -> str | None:
+                             vocab_size: int | None = None, skeleton: Skeleton | None = None) -> str | None:
     """model.embedding_on_host auto settled in `cfg` (host_embedding.py, embedding_on_host_choice) for a run of
     `world_size` processes, on GPUs or not, before anything is predicted or built from it; the line that says
-    how, or None where it was given. Every rank settles it alike: the skeleton is asked only of one process."""
+    how, or None where it was given. Every rank settles it alike: the skeleton (`skeleton`, or one built here) is
+    asked only of one process. A skeleton that fails to build leaves it off (the build then says why)."""
     if cfg.model.embedding_on_host != AUTO:
         return None
-    on, why = embedding_on_host_choice(cfg, on_gpu, world_size,
-                                       lambda: plan_model(cfg, world_size, model_dir, vocab_size).model)
+
+    def model() -> nn.Module:
+        return (skeleton or plan_model(cfg, world_size, model_dir, vocab_size)).model
+
+    try:
+        on, why = embedding_on_host_choice(cfg, on_gpu, world_size, model)
+    except Exception as exc:  # a prediction's failure must not stop a run (as `_guarded`)
+        on, why = False, f"off (the model's skeleton: {type(exc).__name__}: {exc})"
     cfg.model.embedding_on_host = on
     return f"model.embedding_on_host auto: {why}"
 

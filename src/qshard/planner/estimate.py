@@ -100,7 +100,8 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
     world = machine.world_size
     mesh = plan_mesh(cfg, world)
     p = cfg.parallel
-    key = (p.cpu_offload, p.sharding, p.quant_sharding, p.replicate_degree, p.resident_blocks)
+    key = (p.cpu_offload, p.sharding, p.quant_sharding, p.replicate_degree, p.resident_blocks,
+           cfg.model.looks_up_on_host())
     cache = {} if cache is None else cache
     if key not in cache:
         cache[key] = [tensor_layout(model, cfg, world, rank) for rank in range(mesh.shard)]

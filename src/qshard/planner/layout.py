@@ -21,7 +21,6 @@ import torch.nn as nn
 
 from qshard.build import Skeleton
 from qshard.config import Config
-from qshard.host_embedding import host_modules
 from qshard.parallel.fsdp import in_place_blocks, kept_embedding_and_head, resident_embedding_and_head
 from qshard.parallel.mesh import replicate_degree
 from qshard.parallel.storage_offload import _ALIGN, storage_groups
@@ -118,7 +117,10 @@ def tensor_layout(model: Skeleton, cfg: Config, world_size: int, rank: int = 0) 
     kept = kept_embedding_and_head(model.model, world_size, cfg.parallel, precision(cfg))
     in_place |= {id(p) for m in kept for p in m.parameters()}
     resident = {id(p) for m in resident_embedding_and_head(model.model, cfg.parallel) for p in m.parameters()}
-    host = {id(p) for m in host_modules(model.model) for p in m.parameters()}  # model.embedding_on_host: whole
+    # model.embedding_on_host: whole. From the options, not the skeleton's mark: one skeleton serves every setting
+    # --fit searches, each with `auto` settled for it.
+    embed = model.model.get_input_embeddings() if cfg.model.looks_up_on_host() else None
+    host = {id(p) for p in embed.parameters()} if embed is not None else set()
     in_place |= host
     groups = storage_groups(model.model, model.blocks, cfg.parallel.resident_blocks)  # as parallel/storage_offload.py
     resident |= {id(getattr(m, name)) for layers, kept in groups if kept for m in layers for name in m.STORAGE}
