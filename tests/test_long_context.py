@@ -463,6 +463,49 @@ def test_offload_copies_a_tensor_saved_twice_once(dist_env, tiny_models):
     assert pool.in_use == 0
 
 
+def test_offload_brings_each_block_back_while_the_block_after_runs_backward(dist_env, tiny_models):
+    """Under parallel.activation_offload each block's saved tensors form a group (closed by a hook at the block's
+    end), the head's one more. Backward finds every tensor it asks for back on the device already: the last group's
+    brought back as the forward ended, each other group's while the group after it ran backward; only a tensor
+    that a later group saved too (a table every block keeps) comes back when first asked. Loss and gradients are
+    those without offload."""
+    from qshard.parallel import offload
+
+    blocks = 3
+    model = _build(tiny_models("llama", num_hidden_layers=blocks), dist_env, TILE, ("train.train_type", "qlora"),
+                   ("parallel.activation_offload", "true"))
+    ids = torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(0))
+    expected = _loss_and_grads(model, ids)  # outside an offloaded forward the blocks' hooks do nothing
+
+    saved_by, held, asked = {}, [], []
+
+    class Recording(offload.OffloadActivations):
+        def _pack(self, tensor):
+            packed = super()._pack(tensor)
+            if isinstance(packed, offload._Offloaded):
+                held.append(packed)  # alive to the end: ids stay unique
+                saved_by.setdefault(id(packed), set()).add(len(self.groups) - 1)
+            return packed
+
+        def _unpack(self, packed):
+            if isinstance(packed, offload._Offloaded):
+                asked.append((packed.group, packed.restored is not None, len(saved_by[id(packed)]) > 1))
+            return super()._unpack(packed)
+
+    recording = Recording(offload.HostPool(pin=False), None, "cpu", ids.numel())
+    with recording:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert len(recording.groups) == blocks + 1, [len(g) for g in recording.groups]
+    assert all(c.restored is not None for c in recording._group(blocks))  # the head's, back before backward
+    assert not any(c.restored is not None for g in range(blocks) for c in recording._group(g) if
+                   len(saved_by[id(c)]) == 1)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert loss.item() == expected[0] and all(torch.equal(grads[n], g) for n, g in expected[1].items())
+    assert {group for group, _, _ in asked} == set(range(blocks + 1))  # every group was asked for
+    assert all(back or shared for _, back, shared in asked), asked
+
+
 def test_offload_copies_again_when_the_memory_went_to_another_tensor():
     """A saved tensor that has died leaves its memory to the next tensor (the caching allocator hands it out
     again): that one is copied anew, not taken for the first. Two tensors over one numpy buffer stand in for it."""

@@ -25,7 +25,7 @@ from qshard.host_embedding import host_modules
 from qshard.parallel.checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from qshard.parallel.compile import check_cuda_graphs, compile_blocks
 from qshard.parallel.mesh import local_piece, shard_placements
-from qshard.parallel.offload import offload_policy
+from qshard.parallel.offload import group_saved_tensors_by_block, offload_policy
 from qshard.parallel.storage_offload import offload_quantized_storage
 from qshard.parallel.tiling import tile_mlps
 from qshard.precision import Precision, precision
@@ -51,6 +51,8 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     traced = traced_blocks(blocks, in_place, mesh, parallel, cfg.train.train_type, cfg.lora.dropout)
     log_adapter_blocks_in_place(blocks, in_place, traced)
     apply_activation_checkpointing(model, blocks, parallel, traced)
+    if parallel.activation_offload:  # backward brings the offloaded tensors back a block ahead
+        group_saved_tensors_by_block(blocks)
     if parallel.replays_graphs():
         check_cuda_graphs(parallel, compute_device(mesh), len(traced), len(checkpointed_blocks(blocks, parallel)))
     if parallel.compile:

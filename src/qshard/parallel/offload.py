@@ -8,11 +8,12 @@ pinned CPU memory when the first forward initializes it. A frozen untied embeddi
 FSDP2 and offloaded by parallel/storage_offload.py.
 
 Activations: tensors that autograd saves for backward are copied to pinned CPU memory on a side stream
-while compute goes on, and copied back when backward needs them, into host buffers of a pool reused from
-step to step (`HostPool`). Parameters are left in place (copying a weight out and back would only cost
-time). With activation checkpointing the checkpointed blocks save nothing but their inputs, and those move
-too (hidden size x dtype bytes per token per block), with the rest (non-checkpointed blocks, head). On a
-CPU-only machine activations already live in host memory: nothing to do.
+while compute goes on, into host buffers of a pool reused from step to step (`HostPool`), and copied back
+on that stream a block ahead of backward's need (`OffloadActivations`). Parameters are left in place
+(copying a weight out and back would only cost time). With activation checkpointing the checkpointed blocks
+save nothing but their inputs (and what parallel.ac_save_projections keeps), and those move too (hidden size
+x dtype bytes per token per block), with the rest (non-checkpointed blocks, head). On a CPU-only machine
+activations already live in host memory: nothing to do.
 """
 
 from __future__ import annotations
@@ -116,10 +117,14 @@ def host_bytes(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 class _Offloaded:
-    """A saved tensor's copy in a pool buffer; the buffer goes back to the pool when autograd drops this."""
+    """A saved tensor's copy in a pool buffer, and once backward asks for it (or for the group after its own), the
+    tensor back on the device; the buffer goes back to the pool when autograd drops this."""
 
-    def __init__(self, pool: HostPool, buffer: _HostBuffer, host: torch.Tensor, device: torch.device) -> None:
-        self.pool, self.buffer, self.host, self.device = pool, buffer, host, device
+    def __init__(self, pool: HostPool, buffer: _HostBuffer, host: torch.Tensor, device: torch.device,
+                 group: int) -> None:
+        self.pool, self.buffer, self.host, self.device, self.group = pool, buffer, host, device, group
+        self.restored: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None  # the copy back's end, on the side stream
 
     def __del__(self) -> None:
         self.pool.give(self.buffer)
@@ -128,7 +133,13 @@ class _Offloaded:
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """The forward of one micro-batch of `tokens` tokens: the tensors of `device_type` it saves for backward go
     to host buffers of `pool` (through `stream`, a side CUDA stream, where given; else synchronously);
-    backward brings them back (the unpack hooks travel with the saved tensors)."""
+    backward brings them back (the unpack hooks travel with the saved tensors).
+
+    The saved tensors are grouped by the block whose forward saved them (`end_block`, called by a hook at the end
+    of each block's forward; what comes after the last block, the head's, is a group of its own). Backward needs
+    the groups in reverse: when it asks for a tensor of one group, the group before is copied back on the side
+    stream while the compute stream runs this one's backward, and the last group is copied back as soon as the
+    forward ends, so that backward waits for no copy it could have made earlier."""
 
     def __init__(self, pool: HostPool, stream: torch.cuda.Stream | None, device_type: str, tokens: int) -> None:
         self.pool, self.stream, self.device_type, self.tokens = pool, stream, device_type, tokens
@@ -136,7 +147,19 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # norm's input and its scale, kept by two of its ops; a table every block keeps) is copied to the
         # host once.
         self.copies: dict[tuple, tuple[weakref.ref, _Offloaded]] = {}
+        # Each group's copies, weakly: a copy belongs to autograd, which drops it once backward no longer needs it.
+        self.groups: list[list[weakref.ref]] = [[]]
         super().__init__(self._pack, self._unpack)
+
+    def __enter__(self):
+        global _packing
+        _packing = self
+        return super().__enter__()
+
+    def end_block(self) -> None:
+        """A block's forward has ended: what is saved from now on belongs to the next group."""
+        if self.groups[-1]:
+            self.groups.append([])
 
     def _pack(self, tensor: torch.Tensor):
         # Model storage saved for backward stays put: parameters and views of them (a linear keeps its weight
@@ -162,9 +185,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         nbytes = tensor.numel() * tensor.element_size()
         buffer = self.pool.take(nbytes)
         host = buffer.host[:nbytes].view(tensor.dtype).view(tensor.shape)
+        offloaded = _Offloaded(self.pool, buffer, host, tensor.device, len(self.groups) - 1)
+        self.groups[-1].append(weakref.ref(offloaded))
         if self.stream is None:
             host.copy_(tensor)
-            return _Offloaded(self.pool, buffer, host, tensor.device)
+            return offloaded
         self.stream.wait_stream(torch.cuda.current_stream())  # the copy must see the finished values
         with torch.cuda.stream(self.stream):
             if buffer.last_use is not None:  # the copy back of the step before must have read it
@@ -174,24 +199,71 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             buffer.last_use.record(self.stream)
         # The allocator must not hand the device memory to another tensor before the copy has read it.
         tensor.record_stream(self.stream)
-        return _Offloaded(self.pool, buffer, host, tensor.device)
+        return offloaded
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
+        if packed.restored is None:  # asked before its group's turn: a tensor a later group saved too (a table)
+            self._bring_back([packed])
+        self._bring_back(self._group(packed.group - 1))  # the group whose backward comes next, while this one's runs
+        if packed.ready is not None:
+            torch.cuda.current_stream().wait_event(packed.ready)
+        return packed.restored
+
+    def _group(self, group: int) -> list[_Offloaded]:
+        """The copies of `group` that autograd still holds (none for a group that does not exist)."""
+        if group < 0 or group >= len(self.groups):
+            return []
+        return [c for ref in self.groups[group] if (c := ref()) is not None]
+
+    def _bring_back(self, copies: list[_Offloaded]) -> None:
+        """`copies` back on the device, those not back yet, on the side stream if there is one."""
+        waiting = [c for c in copies if c.restored is None]
+        if not waiting:
+            return
         if self.stream is None:
-            return packed.host.to(packed.device, copy=True)  # the buffer is reused once autograd drops it
-        buffer = packed.buffer
-        torch.cuda.current_stream().wait_event(buffer.last_use)
-        restored = packed.host.to(packed.device, non_blocking=True)
-        buffer.last_use = torch.cuda.Event()
-        buffer.last_use.record()  # the next copy into the buffer waits for this read
-        return restored
+            for c in waiting:
+                c.restored = c.host.to(c.device, copy=True)
+            return
+        compute = torch.cuda.current_stream()
+        # The device memory comes from the compute stream's pool: its earlier users there must be done before the
+        # side stream writes it.
+        restored = [torch.empty_like(c.host, device=c.device) for c in waiting]
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            for c, r in zip(waiting, restored):
+                r.copy_(c.host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        for c, r in zip(waiting, restored):
+            r.record_stream(self.stream)  # dropped unread, its memory must still outlive the copy into it
+            c.restored, c.ready, c.buffer.last_use = r, done, done
 
     def __exit__(self, *exc) -> None:
+        global _packing
+        _packing = None
         super().__exit__(*exc)
         self.copies.clear()  # autograd alone holds the copies now: each buffer returns once backward is done
+        self._bring_back(self._group(len(self.groups) - 1))  # what backward needs first, on its way now
         _log_host_bytes(self.pool, self.tokens)
+
+
+# The forward under way with activation offload, whose groups a block's end closes (`end_block`).
+_packing: OffloadActivations | None = None
+
+
+def group_saved_tensors_by_block(blocks: list[nn.Module]) -> None:
+    """Hooks that close a group of offloaded tensors at the end of each block's forward (OffloadActivations): the
+    unit in which backward brings them back ahead of need. Outside an offloaded forward (the recompute of a
+    checkpointed block, evaluation) they do nothing."""
+    for block in blocks:
+        block.register_forward_hook(_end_block)
+
+
+def _end_block(*_) -> None:
+    if _packing is not None:
+        _packing.end_block()
 
 
 def _memory_key(tensor: torch.Tensor) -> tuple:
