@@ -506,6 +506,40 @@ def test_offload_brings_each_block_back_while_the_block_after_runs_backward(dist
     assert all(back or shared for _, back, shared in asked), asked
 
 
+def test_offload_brings_saved_tensors_back_with_their_strides():
+    """A compiled backward checks the strides of what it saved: a transposed view, a slice of a wider tensor and a
+    permuted one come back strided as they were saved (a slice's copy spans only its rows' elements), an expanded
+    one (elements sharing memory) contiguous; every value as saved."""
+    from qshard.parallel import offload
+
+    wide = torch.randn(6, 10)
+    saved = {"transposed": torch.randn(4, 6).t(), "slice": wide[:, 2:5],
+             "permuted": torch.randn(2, 3, 4).permute(2, 0, 1), "expanded": torch.randn(3, 1).expand(3, 5)}
+    seen = {}
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *tensors):
+            ctx.save_for_backward(*tensors)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.update(zip(saved, ctx.saved_tensors))
+            return (grad, *[None] * len(saved))
+
+    x = torch.ones(2, requires_grad=True)
+    pool = offload.HostPool(pin=False)
+    with offload.OffloadActivations(pool, None, "cpu", 2):
+        y = Keep.apply(x, *saved.values())
+    assert pool.in_use == 4 * (24 + (5 * 10 + 3) + 24 + 15)  # each copy's span; the expanded one's 15 elements
+    y.sum().backward()
+    for name, tensor in saved.items():
+        assert seen[name] is not tensor and torch.equal(seen[name], tensor), name
+        expected = tensor.contiguous().stride() if name == "expanded" else tensor.stride()
+        assert seen[name].stride() == expected, (name, seen[name].stride(), tensor.stride())
+
+
 def test_offload_copies_again_when_the_memory_went_to_another_tensor():
     """A saved tensor that has died leaves its memory to the next tensor (the caching allocator hands it out
     again): that one is copied anew, not taken for the first. Two tensors over one numpy buffer stand in for it."""

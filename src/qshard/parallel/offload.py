@@ -182,9 +182,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return offloaded
 
     def _copy(self, tensor: torch.Tensor) -> _Offloaded:
-        nbytes = tensor.numel() * tensor.element_size()
+        # The copy keeps the tensor's strides (a compiled backward checks those of what it saved: a transposed
+        # view must come back transposed), over as many elements as they span; one whose elements overlap (an
+        # expanded tensor) comes back contiguous.
+        strides = tensor.stride() if _apart(tensor) else None
+        nbytes = (_span(tensor) if strides else tensor.numel()) * tensor.element_size()
         buffer = self.pool.take(nbytes)
-        host = buffer.host[:nbytes].view(tensor.dtype).view(tensor.shape)
+        flat = buffer.host[:nbytes].view(tensor.dtype)
+        host = flat.as_strided(tensor.shape, strides) if strides else flat.view(tensor.shape)
         offloaded = _Offloaded(self.pool, buffer, host, tensor.device, len(self.groups) - 1)
         self.groups[-1].append(weakref.ref(offloaded))
         if self.stream is None:
@@ -224,12 +229,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return
         if self.stream is None:
             for c in waiting:
-                c.restored = c.host.to(c.device, copy=True)
+                c.restored = _like(c.host, c.device).copy_(c.host)
             return
         compute = torch.cuda.current_stream()
         # The device memory comes from the compute stream's pool: its earlier users there must be done before the
         # side stream writes it.
-        restored = [torch.empty_like(c.host, device=c.device) for c in waiting]
+        restored = [_like(c.host, c.device) for c in waiting]
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             for c, r in zip(waiting, restored):
@@ -264,6 +269,28 @@ def group_saved_tensors_by_block(blocks: list[nn.Module]) -> None:
 def _end_block(*_) -> None:
     if _packing is not None:
         _packing.end_block()
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """The elements from a tensor's first to its last, as its strides lay them out (its numel where dense)."""
+    if not tensor.numel():
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _apart(tensor: torch.Tensor) -> bool:
+    """Whether no two of a tensor's elements share memory (what a copy into its strides needs)."""
+    reach = 1  # one past the last element the dims so far reach, from the first
+    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz > 1):
+        if stride < reach:
+            return False
+        reach += (size - 1) * stride
+    return True
+
+
+def _like(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Uninitialized device memory shaped and strided as `host`, a saved tensor's copy."""
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
 def _memory_key(tensor: torch.Tensor) -> tuple:
