@@ -121,8 +121,9 @@ class _Offloaded:
     tensor back on the device; the buffer goes back to the pool when autograd drops this."""
 
     def __init__(self, pool: HostPool, buffer: _HostBuffer, host: torch.Tensor, device: torch.device,
-                 group: int) -> None:
+                 group: int, strides: tuple[int, ...] | None) -> None:
         self.pool, self.buffer, self.host, self.device, self.group = pool, buffer, host, device, group
+        self.strides = strides  # the saved tensor's (None: it comes back contiguous)
         self.restored: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None  # the copy back's end, on the side stream
 
@@ -182,15 +183,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return offloaded
 
     def _copy(self, tensor: torch.Tensor) -> _Offloaded:
-        # The copy keeps the tensor's strides (a compiled backward checks those of what it saved: a transposed
-        # view must come back transposed), over as many elements as they span; one whose elements overlap (an
-        # expanded tensor) comes back contiguous.
+        # The tensor comes back with its strides (a compiled backward checks those of what it saved: a transposed
+        # view must come back transposed); one whose elements overlap (an expanded tensor) comes back contiguous.
+        # The host copy is dense: strided as the tensor where that is a permutation of dense dims (one memcpy each
+        # way), else contiguous (a slice of a wider tensor: the device gathers it, and scatters it back).
         strides = tensor.stride() if _apart(tensor) else None
-        nbytes = (_span(tensor) if strides else tensor.numel()) * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
         buffer = self.pool.take(nbytes)
         flat = buffer.host[:nbytes].view(tensor.dtype)
-        host = flat.as_strided(tensor.shape, strides) if strides else flat.view(tensor.shape)
-        offloaded = _Offloaded(self.pool, buffer, host, tensor.device, len(self.groups) - 1)
+        dense = strides is not None and _span(tensor) == tensor.numel()
+        host = flat.as_strided(tensor.shape, strides) if dense else flat.view(tensor.shape)
+        offloaded = _Offloaded(self.pool, buffer, host, tensor.device, len(self.groups) - 1, strides)
         self.groups[-1].append(weakref.ref(offloaded))
         if self.stream is None:
             host.copy_(tensor)
@@ -229,12 +232,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return
         if self.stream is None:
             for c in waiting:
-                c.restored = _like(c.host, c.device).copy_(c.host)
+                c.restored = _like(c).copy_(c.host)
             return
         compute = torch.cuda.current_stream()
         # The device memory comes from the compute stream's pool: its earlier users there must be done before the
         # side stream writes it.
-        restored = [_like(c.host, c.device) for c in waiting]
+        restored = [_like(c) for c in waiting]
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             for c, r in zip(waiting, restored):
@@ -288,9 +291,11 @@ def _apart(tensor: torch.Tensor) -> bool:
     return True
 
 
-def _like(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Uninitialized device memory shaped and strided as `host`, a saved tensor's copy."""
-    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+def _like(copy: _Offloaded) -> torch.Tensor:
+    """Uninitialized device memory shaped and strided as the saved tensor `copy` holds."""
+    host = copy.host
+    strides = copy.strides or host.stride()
+    return torch.empty_strided(host.shape, strides, dtype=host.dtype, device=copy.device)
 
 
 def _memory_key(tensor: torch.Tensor) -> tuple:
