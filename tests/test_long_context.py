@@ -540,6 +540,33 @@ def test_offload_brings_saved_tensors_back_with_their_strides():
         assert seen[name].stride() == expected, (name, seen[name].stride(), tensor.stride())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies on a side stream and compiled blocks: CUDA")
+def test_offloaded_compiled_blocks_keeping_projections_train_as_without_offload(tiny_models, tmp_path):
+    """On a GPU, compiled blocks that keep their projections (transposed views among what they save, whose strides
+    the compiled backward checks) train under activation offload as without it, two micro-batches a step: the
+    same losses, and each step's tensors brought back by the side stream."""
+    import json
+
+    from qshard.cli import main as cli_main
+
+    model_dir = tiny_models("llama")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i}: " + "the quick brown fox jumps over the lazy dog " * 6})
+                            + "\n" for i in range(16)))
+    losses = {}
+    for offloaded in ("false", "true"):
+        out = tmp_path / offloaded
+        assert cli_main(["train", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
+                         "--max-length", "64", "--batch-size", "2", "--grad-accum", "2", "--max-steps", "3",
+                         "--data.eval_fraction", "0", "--parallel.compile", "true",
+                         "--parallel.ac_save_projections", "true", "--parallel.cuda_graphs", "false",
+                         "--parallel.activation_offload", offloaded]) == 0
+        torch._dynamo.reset()
+        losses[offloaded] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["true"]) == 3
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-4)
+
+
 def test_offload_copies_again_when_the_memory_went_to_another_tensor():
     """A saved tensor that has died leaves its memory to the next tensor (the caching allocator hands it out
     again): that one is copied anew, not taken for the first. Two tensors over one numpy buffer stand in for it."""
