@@ -1,6 +1,9 @@
 """Profile a few qshard training steps (after warm-up) and print the top CUDA kernels and CPU ops.
 
   python3 benchmarks/profile_step.py --model DIR --data FILE [--seq 2048] [--steps 3] [--section.key V ...]
+
+Options left at `auto` that `qshard train` settles from its prediction (model.embedding_on_host,
+parallel.ac_save_projections) are settled the same way here; parallel.cuda_graphs auto stays off.
 """
 
 import argparse
@@ -13,6 +16,7 @@ from qshard import config as config_mod
 from qshard.build import build_model, load_tokenizer
 from qshard.data import load_examples
 from qshard.parallel.distributed import init_distributed
+from qshard.planner.command import preflight, this_machine
 from qshard.train.loop import Trainer
 
 
@@ -31,6 +35,7 @@ def main() -> None:
     env = init_distributed()
     tok = load_tokenizer(args.model)
     examples = load_examples(args.data, tok, args.seq)
+    preflight(cfg, this_machine(env.device, env.world_size), None, None, auto_fit=False, is_main=env.is_main)
     model, _ = build_model(cfg, env, args.model)
     trainer = Trainer(cfg, env, model, examples, [], tok.pad_token_id)
     for step in range(2):

@@ -465,10 +465,10 @@ def test_offload_copies_a_tensor_saved_twice_once(dist_env, tiny_models):
 
 def test_offload_brings_each_block_back_while_the_block_after_runs_backward(dist_env, tiny_models):
     """Under parallel.activation_offload each block's saved tensors form a group (closed by a hook at the block's
-    end), the head's one more. Backward finds every tensor it asks for back on the device already: the last group's
-    brought back as the forward ended, each other group's while the group after it ran backward; only a tensor
-    that a later group saved too (a table every block keeps) comes back when first asked. Loss and gradients are
-    those without offload."""
+    end), the head's one more; a tensor several blocks save (a table every block keeps) belongs to the last of
+    them. Backward finds every tensor it asks for back on the device already: the last group's brought back as
+    the forward ended, each other group's while the group after it ran backward. Loss and gradients are those
+    without offload."""
     from qshard.parallel import offload
 
     blocks = 3
@@ -497,19 +497,51 @@ def test_offload_brings_each_block_back_while_the_block_after_runs_backward(dist
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     assert len(recording.groups) == blocks + 1, [len(g) for g in recording.groups]
     assert all(c.restored is not None for c in recording._group(blocks))  # the head's, back before backward
-    assert not any(c.restored is not None for g in range(blocks) for c in recording._group(g) if
-                   len(saved_by[id(c)]) == 1)
+    assert all(c.restored is None for g in range(blocks) for c in recording._group(g))
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert loss.item() == expected[0] and all(torch.equal(grads[n], g) for n, g in expected[1].items())
     assert {group for group, _, _ in asked} == set(range(blocks + 1))  # every group was asked for
-    assert all(back or shared for _, back, shared in asked), asked
+    assert all(back for _, back, _ in asked), asked
+
+
+def test_offload_a_tensor_several_blocks_save_comes_back_with_the_last_of_them():
+    """A table every block saves is copied to the host once and belongs to the last block that saved it, whose
+    backward comes first: it is back before backward asks, not fetched alone then (nor its first block's group
+    with it)."""
+    from qshard.parallel import offload
+
+    class Scale(nn.Module):
+        def forward(self, x, table):
+            return x * table  # saves the table (x needs a gradient; the table does not)
+
+    blocks = [Scale() for _ in range(3)]
+    offload.group_saved_tensors_by_block(blocks)
+    x, table = torch.randn(8, requires_grad=True), torch.rand(8) + 0.5
+    pool = offload.HostPool(pin=False)
+    asked = []
+
+    class Recording(offload.OffloadActivations):
+        def _unpack(self, packed):
+            asked.append((packed.group, packed.restored is not None))
+            return super()._unpack(packed)
+
+    with Recording(pool, None, "cpu", 8) as recording:
+        h = x
+        for block in blocks:
+            h = block(h, table)
+    assert pool.allocations == 1  # one copy of the table
+    (copy,) = {id(c): c for g in range(len(recording.groups)) for c in recording._group(g)}.values()
+    assert copy.group == 2 and copy.restored is not None  # the last block's group, back as the forward ended
+    h.sum().backward()
+    assert asked == [(2, True)] * 3 and torch.allclose(x.grad, table ** 3)
 
 
 def test_offload_brings_saved_tensors_back_with_their_strides():
-    """A compiled backward checks the strides of what it saved: a transposed view, a slice of a wider tensor and a
-    permuted one come back strided as they were saved, an expanded one (elements sharing memory) contiguous; every
-    value as saved, and the host holds each tensor's elements only."""
+    """A compiled backward checks the strides of what it saved: a transposed view and a permuted one come back
+    strided as they were saved; a slice of a wider tensor (whose strides would span the wider one's elements) and
+    an expanded one (elements sharing memory) contiguous; every value as saved, and the host holds each tensor's
+    elements only."""
     from qshard.parallel import offload
 
     wide = torch.randn(6, 10)
@@ -536,18 +568,30 @@ def test_offload_brings_saved_tensors_back_with_their_strides():
     y.sum().backward()
     for name, tensor in saved.items():
         assert seen[name] is not tensor and torch.equal(seen[name], tensor), name
-        expected = tensor.contiguous().stride() if name == "expanded" else tensor.stride()
+        expected = tensor.contiguous().stride() if name in ("slice", "expanded") else tensor.stride()
         assert seen[name].stride() == expected, (name, seen[name].stride(), tensor.stride())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies on a side stream and compiled blocks: CUDA")
-def test_offloaded_compiled_blocks_keeping_projections_train_as_without_offload(tiny_models, tmp_path):
+def test_offloaded_compiled_blocks_keeping_projections_train_as_without_offload(tiny_models, tmp_path, monkeypatch,
+                                                                               caplog):
     """On a GPU, compiled blocks that keep their projections (transposed views among what they save, whose strides
     the compiled backward checks) train under activation offload as without it, two micro-batches a step: the
-    same losses, and each step's tensors brought back by the side stream."""
+    same losses, the offload's host memory logged, and a transposed tensor among those it brought back."""
     import json
 
     from qshard.cli import main as cli_main
+    from qshard.parallel import offload
+
+    monkeypatch.setattr(offload, "_logged", False)
+    strided = []
+    bring_back = offload.OffloadActivations._bring_back
+
+    def recorded(self, copies):
+        strided.extend(c.strides for c in copies if c.strides and not c.host.is_contiguous())
+        return bring_back(self, copies)
+
+    monkeypatch.setattr(offload.OffloadActivations, "_bring_back", recorded)
 
     model_dir = tiny_models("llama")
     data = tmp_path / "rows.jsonl"
@@ -556,15 +600,18 @@ def test_offloaded_compiled_blocks_keeping_projections_train_as_without_offload(
     losses = {}
     for offloaded in ("false", "true"):
         out = tmp_path / offloaded
-        assert cli_main(["train", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
-                         "--max-length", "64", "--batch-size", "2", "--grad-accum", "2", "--max-steps", "3",
-                         "--data.eval_fraction", "0", "--parallel.compile", "true",
-                         "--parallel.ac_save_projections", "true", "--parallel.cuda_graphs", "false",
-                         "--parallel.activation_offload", offloaded]) == 0
+        with caplog.at_level(logging.INFO, logger="qshard"):
+            assert cli_main(["train", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
+                             "--max-length", "64", "--batch-size", "2", "--grad-accum", "2", "--max-steps", "3",
+                             "--data.eval_fraction", "0", "--parallel.compile", "true",
+                             "--parallel.ac_save_projections", "true", "--parallel.cuda_graphs", "false",
+                             "--parallel.activation_offload", offloaded]) == 0
         torch._dynamo.reset()
         losses[offloaded] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["true"]) == 3
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-4)
+    assert sum(r.getMessage().startswith("activation offload: ") for r in caplog.records) == 1
+    assert strided  # a transposed or permuted tensor went out and came back with its strides
 
 
 def test_offload_copies_again_when_the_memory_went_to_another_tensor():

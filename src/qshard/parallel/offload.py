@@ -122,12 +122,18 @@ class _Offloaded:
 
     def __init__(self, pool: HostPool, buffer: _HostBuffer, host: torch.Tensor, device: torch.device,
                  group: int, strides: tuple[int, ...] | None) -> None:
-        self.pool, self.buffer, self.host, self.device, self.group = pool, buffer, host, device, group
-        self.strides = strides  # the saved tensor's (None: it comes back contiguous)
+        self.pool, self.buffer, self.host, self.device = pool, buffer, host, device
+        self.group = group  # the last group whose forward saved it: it comes back with that group
+        self.strides = strides  # the saved tensor's, where it comes back with them (None: contiguous)
         self.restored: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None  # the copy back's end, on the side stream
+        self.used = False  # handed to backward, which waited for `ready` on the compute stream
 
     def __del__(self) -> None:
+        # Brought back but never handed over (a node backward did not run): the device memory goes back to the
+        # compute stream's pool, which must not reuse it before the side stream's copy into it is done.
+        if self.ready is not None and not self.used:
+            self.ready.synchronize()
         self.pool.give(self.buffer)
 
 
@@ -150,12 +156,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.copies: dict[tuple, tuple[weakref.ref, _Offloaded]] = {}
         # Each group's copies, weakly: a copy belongs to autograd, which drops it once backward no longer needs it.
         self.groups: list[list[weakref.ref]] = [[]]
+        self.brought: set[int] = set()  # the groups whose copies went back to the device
+        self.asked: set[int] = set()  # the groups backward has asked for a copy of
         super().__init__(self._pack, self._unpack)
 
-    def __enter__(self):
+    def __enter__(self) -> OffloadActivations:
         global _packing
         _packing = self
-        return super().__enter__()
+        super().__enter__()
+        return self
 
     def end_block(self) -> None:
         """A block's forward has ended: what is saved from now on belongs to the next group."""
@@ -177,22 +186,25 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # Only while the tensor first copied still holds that memory, unchanged: once it has died, or been given
         # other memory (`.data =`, `set_`), the address may belong to another tensor.
         if known is not None and (first := known[0]()) is not None and _memory_key(first) == key:
-            return known[1]
+            copy = known[1]
+            if copy.group != len(self.groups) - 1:  # saved by a later block too: it comes back with that block's
+                copy.group = len(self.groups) - 1
+                self.groups[-1].append(weakref.ref(copy))
+            return copy
         offloaded = self._copy(tensor)
         self.copies[key] = (weakref.ref(tensor), offloaded)
         return offloaded
 
     def _copy(self, tensor: torch.Tensor) -> _Offloaded:
-        # The tensor comes back with its strides (a compiled backward checks those of what it saved: a transposed
-        # view must come back transposed); one whose elements overlap (an expanded tensor) comes back contiguous.
-        # The host copy is dense: strided as the tensor where that is a permutation of dense dims (one memcpy each
-        # way), else contiguous (a slice of a wider tensor: the device gathers it, and scatters it back).
-        strides = tensor.stride() if _apart(tensor) else None
+        # A tensor whose strides lay its elements out densely in some order (a transposed or permuted view) comes
+        # back with them: a compiled backward checks the strides of what it saved. Its host copy is strided alike
+        # (one memcpy each way). Any other comes back contiguous, as many elements as it has (a slice of a wider
+        # tensor kept strided would take the whole span between its first and last element on the device).
+        strides = tensor.stride() if _dense(tensor) else None
         nbytes = tensor.numel() * tensor.element_size()
         buffer = self.pool.take(nbytes)
         flat = buffer.host[:nbytes].view(tensor.dtype)
-        dense = strides is not None and _span(tensor) == tensor.numel()
-        host = flat.as_strided(tensor.shape, strides) if dense else flat.view(tensor.shape)
+        host = flat.as_strided(tensor.shape, strides) if strides else flat.view(tensor.shape)
         offloaded = _Offloaded(self.pool, buffer, host, tensor.device, len(self.groups) - 1, strides)
         self.groups[-1].append(weakref.ref(offloaded))
         if self.stream is None:
@@ -212,18 +224,26 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        if packed.restored is None:  # asked before its group's turn: a tensor a later group saved too (a table)
+        if packed.restored is None:  # not brought back with its group (the first group backward asks for)
             self._bring_back([packed])
-        self._bring_back(self._group(packed.group - 1))  # the group whose backward comes next, while this one's runs
+        if packed.group not in self.asked:  # backward has reached this group
+            self.asked.add(packed.group)
+            self._bring_back_group(packed.group - 1)  # the group whose backward comes next, while this one's runs
         if packed.ready is not None:
             torch.cuda.current_stream().wait_event(packed.ready)
+        packed.used = True
         return packed.restored
 
     def _group(self, group: int) -> list[_Offloaded]:
         """The copies of `group` that autograd still holds (none for a group that does not exist)."""
         if group < 0 or group >= len(self.groups):
             return []
-        return [c for ref in self.groups[group] if (c := ref()) is not None]
+        return [c for ref in self.groups[group] if (c := ref()) is not None and c.group == group]
+
+    def _bring_back_group(self, group: int) -> None:
+        if group >= 0 and group not in self.brought:
+            self.brought.add(group)
+            self._bring_back(self._group(group))
 
     def _bring_back(self, copies: list[_Offloaded]) -> None:
         """`copies` back on the device, those not back yet, on the side stream if there is one."""
@@ -244,8 +264,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 r.copy_(c.host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
+        # No record_stream on the side stream: freed memory would then wait for whatever that stream has queued
+        # by then (the next group's copy) before the compute stream could reuse it. Backward waits for `ready`
+        # before it reads a copy; one never read waits for it when dropped (_Offloaded.__del__).
         for c, r in zip(waiting, restored):
-            r.record_stream(self.stream)  # dropped unread, its memory must still outlive the copy into it
             c.restored, c.ready, c.buffer.last_use = r, done, done
 
     def __exit__(self, *exc) -> None:
@@ -253,7 +275,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         _packing = None
         super().__exit__(*exc)
         self.copies.clear()  # autograd alone holds the copies now: each buffer returns once backward is done
-        self._bring_back(self._group(len(self.groups) - 1))  # what backward needs first, on its way now
+        if exc[0] is None:  # what backward needs first (the last group that saved anything), on its way now
+            saved = [g for g in range(len(self.groups)) if self._group(g)]
+            if saved:
+                self._bring_back_group(saved[-1])
         _log_host_bytes(self.pool, self.tokens)
 
 
@@ -274,20 +299,13 @@ def _end_block(*_) -> None:
         _packing.end_block()
 
 
-def _span(tensor: torch.Tensor) -> int:
-    """The elements from a tensor's first to its last, as its strides lay them out (its numel where dense)."""
-    if not tensor.numel():
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-
-
-def _apart(tensor: torch.Tensor) -> bool:
-    """Whether no two of a tensor's elements share memory (what a copy into its strides needs)."""
-    reach = 1  # one past the last element the dims so far reach, from the first
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's strides lay its elements out without gaps or overlaps, in some order of its dims."""
+    reach = 1  # the elements the dims so far cover, from the first
     for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz > 1):
-        if stride < reach:
+        if stride != reach:
             return False
-        reach += (size - 1) * stride
+        reach *= size
     return True
 
 
