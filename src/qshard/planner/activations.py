@@ -162,7 +162,7 @@ def _projection_bytes(block: nn.Module, dtype: torch.dtype) -> int:
     """Per token, the outputs of the narrowing matmuls a traced checkpoint keeps under ac_save_projections
     (parallel/checkpointing.py, _narrowing_matmul) that backward reads (`kept_projections`). Attention's output and
     log-sum-exp, which it keeps with them, are counted where the attention implementation is known
-    (estimate.py, _kept_projections)."""
+    (estimate.py, _kept_per_block)."""
     return sum(width for _, width, _ in kept_projections(block)) * dtype.itemsize
 
 

@@ -280,7 +280,7 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     loss = _loss_chunk(cfg, shapes, logit_gradient_held) + outside + head
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
     # Kept beside the checkpoints by every checkpointed block until its backward, per block on average.
-    projections = (_kept_projections(model, cfg, acts, shapes) + _kept_attention(model, cfg, shapes)) / shapes.blocks
+    projections = _kept_attention(model, cfg, shapes) / shapes.blocks
     factor = WORKING_SET_FACTOR["traced" if _traced(cfg, shapes) else "hooks"]
     phases = [(sum(kept) + projections * shapes.blocks, 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
     for i in reversed(range(shapes.blocks)):
@@ -334,23 +334,16 @@ def _block_working_set(cfg: Config, acts: BlockActivations, shapes: Shapes, i: i
 
 
 def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> list[float]:
-    """What each block keeps from forward to backward that activation offload moves (bytes): a checkpointed
-    block its input, any other block all it saves (of a tiled MLP, its input and one tile's)."""
+    """What each block keeps from forward to backward (bytes), all of which activation offload moves: a
+    checkpointed block its input, and where its checkpoint is traced under ac_save_projections the projections
+    it keeps inside its compiled graph and, with sdpa attention (whose kernels the policy keeps too,
+    parallel/checkpointing.py), attention's output (the graph's saved tensors pass through the offload's hooks:
+    measured on an H200, 2026-12-04); any other block all it saves (of a tiled MLP, its input and one tile's)."""
     ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
-    return [shapes.tokens * acts.block_input if id(b) in ckpt else _block_working_set(cfg, acts, shapes, i)
-            for i, b in enumerate(model.blocks)]
-
-
-def _kept_projections(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
-    """Under ac_save_projections, where checkpoints are traced: the projections every checkpointed block keeps
-    inside its compiled graph, which activation offload's hooks are not counted on to reach, and with sdpa
-    attention, whose kernels the policy keeps too (parallel/checkpointing.py), attention's output."""
-    if not (_traced(cfg, shapes) and cfg.parallel.saves_projections()):
-        return 0.0
-    ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
-    projections = sum(shapes.tokens * acts.projections[i] for i, b in enumerate(model.blocks) if id(b) in ckpt)
-    attention = _attention_output_bytes(shapes) if runs_sdpa(model) else 0.0
-    return projections + len(ckpt) * attention
+    kept_inside = _traced(cfg, shapes) and cfg.parallel.saves_projections()
+    attention = _attention_output_bytes(shapes) if kept_inside and runs_sdpa(model) else 0.0
+    return [shapes.tokens * (acts.block_input + (acts.projections[i] if kept_inside else 0)) + attention
+            if id(b) in ckpt else _block_working_set(cfg, acts, shapes, i) for i, b in enumerate(model.blocks)]
 
 
 def _kept_attention(model: Skeleton, cfg: Config, shapes: Shapes) -> float:

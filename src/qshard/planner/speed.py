@@ -98,8 +98,9 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     host = shapes.blocks * hardware.HOST_PER_BLOCK_S[launch]
     link = _link_seconds(cfg, plans, machine)
     pcie = _pcie_seconds(cfg, plans, machine)
-    # Activation offload's copies are waited for where the tensors are packed and unpacked, so they add to the
-    # step rather than hide under compute (8B 2k compiled on an H200: 10,176 -> 8,602 tok/s).
+    # Activation offload's copies counted as adding to the step rather than hiding under compute, as measured when
+    # backward waited for each copy back where it unpacked it (8B 2k compiled on an H200: 10,176 -> 8,602 tok/s).
+    # Copies back a block ahead (parallel/offload.py, since e35d9b1) have not been measured on a GPU yet.
     activations = 2 * offloaded_activations / (g.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)
     busy = max(gpu, host, link, pcie)
     times = {
