@@ -287,9 +287,13 @@ def test_auto_left_unsettled_reads_as_off_and_several_ranks_build_nothing(monkey
     monkeypatch.setattr(command, "plan_model", no_skeleton)
     why = command.settle_embedding_on_host(cfg, True, 2)
     assert cfg.model.embedding_on_host is False and why == (
-        "model.embedding_on_host auto: off (2 ranks: FSDP2 shards the embedding over their GPUs)")
+        "model.embedding_on_host auto: off (2 ranks: each would hold a host copy of its own)")
     failing = resolve(None, [("model.shape", "llama3-8b")])
     assert "off (the model's skeleton" in command.settle_embedding_on_host(failing, True, 1)  # never stops a run
+    # Export and generate build the run's model with the embedding on the device, whatever the run settled.
+    from qshard.export_cmd import reading_config
+
+    assert reading_config(resolve(None, [("model.embedding_on_host", "true")])).model.embedding_on_host is False
 
 
 def test_a_run_on_one_gpu_settles_auto_on_and_says_so_in_its_config(tiny_models, data, tmp_path, monkeypatch,

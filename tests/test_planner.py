@@ -583,7 +583,9 @@ def test_activation_offload_moves_the_projections_compiled_blocks_keep(capsys):
     """Under ac_save_projections a traced block keeps its projections and attention's output inside its compiled
     graph; activation offload's hooks reach those saved tensors too (an H200 run logged 9.44 GiB of host memory
     for 8,192 tokens of 8B, 1,208 KiB a token): the plan moves them to the host with the blocks' inputs, all but
-    the two blocks in use and in flight."""
+    the two blocks in use and in flight. It predicts 7.38 GiB of host memory there: 2 GiB short of that log, not
+    yet explained (perhaps attention's saved inputs after rotary), as the plan is 1.1 GiB short of the GPU's
+    peak at 8,192 tokens without offload."""
     base = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "64", "--seq", "8192",
             "--parallel.ac_save_projections", "true", "--model.embedding_on_host", "false"]
     kept = _plan(capsys, *base)

@@ -59,8 +59,9 @@ class ModelConfig:
     revision: str | None = None
     # Look the input embedding up on the host, from a host copy of its weight, instead of keeping it on the GPU
     # (host_embedding.py): LoRA/QLoRA/DoRA with an untied, frozen embedding only. auto: on where one process trains
-    # on one GPU, without parallel.cpu_offload, and the embedding can be looked up there (host_embedding.py,
-    # embedding_on_host_choice); off elsewhere (and in code that builds a model without that decision).
+    # on one GPU, without parallel.cpu_offload or parallel.activation_offload, and the embedding can be looked up
+    # there (host_embedding.py, embedding_on_host_choice); off elsewhere (and in code that builds a model without
+    # that decision).
     embedding_on_host: Literal["auto", True, False] = "auto"
 
     def looks_up_on_host(self) -> bool:

@@ -79,16 +79,16 @@ def embedding_on_host_choice(cfg: Config, on_gpu: bool, world_size: int, skeleto
                              ) -> tuple[bool, str]:
     """(whether `auto` looks the embedding up on the host, why in a few words): where one process trains on one
     GPU, whose memory then holds no copy of the embedding (the rows are looked up a step ahead; docs/benchmarks.md
-    has its cost in speed); not where FSDP2 shards it over several GPUs (each would save 1/N of it, and each rank
-    would hold a whole host copy), under either offload (parallel.cpu_offload, parallel.activation_offload: runs
-    whose host memory is spent on the offloaded tensors, where a host copy and pinned rows would compete with
-    them), or where the embedding must stay with the GPU (`_kept_on_device`, asked of `skeleton()`, the run's
-    model built with `auto` read as off). It depends on nothing `qshard plan --fit` searches but the offloads,
-    which the search settles per setting (planner/fit.py)."""
+    has its cost in speed); not with several ranks (each would hold a whole host copy, to save its GPU what FSDP2
+    leaves there: 1/N of it where it shards the embedding), under either offload (parallel.cpu_offload,
+    parallel.activation_offload: runs whose host memory is spent on the offloaded tensors, where a host copy and
+    pinned rows would compete with them), or where the embedding must stay with the GPU (`_kept_on_device`, asked
+    of `skeleton()`, the run's model built with `auto` read as off). It depends on nothing `qshard plan --fit`
+    searches but the offloads, which the search settles per setting (planner/fit.py)."""
     if not on_gpu:
         return False, "off (no GPU: nothing to save)"
     if world_size > 1:
-        return False, f"off ({world_size} ranks: FSDP2 shards the embedding over their GPUs)"
+        return False, f"off ({world_size} ranks: each would hold a host copy of its own)"
     if cfg.parallel.cpu_offload:
         return False, "off (parallel.cpu_offload spends the host's memory on the offloaded weights)"
     if cfg.parallel.activation_offload:

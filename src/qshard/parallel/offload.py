@@ -196,15 +196,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return offloaded
 
     def _copy(self, tensor: torch.Tensor) -> _Offloaded:
-        # A tensor whose strides lay its elements out densely in some order (a transposed or permuted view) comes
-        # back with them: a compiled backward checks the strides of what it saved. Its host copy is strided alike
-        # (one memcpy each way). Any other comes back contiguous, as many elements as it has (a slice of a wider
-        # tensor kept strided would take the whole span between its first and last element on the device).
-        strides = tensor.stride() if _dense(tensor) else None
+        # A tensor comes back with its strides (a compiled backward checks the strides of what it saved), unless
+        # its elements overlap (an expanded tensor: contiguous then). The host copy holds its elements only, strided
+        # alike where they lie densely in some order (a transposed or permuted view: one memcpy each way), else
+        # contiguous (a slice of a wider tensor: gathered on the device on its way out, scattered back into memory
+        # that spans its first to last element).
+        strides = tensor.stride() if _apart(tensor) else None
         nbytes = tensor.numel() * tensor.element_size()
         buffer = self.pool.take(nbytes)
         flat = buffer.host[:nbytes].view(tensor.dtype)
-        host = flat.as_strided(tensor.shape, strides) if strides else flat.view(tensor.shape)
+        host = flat.as_strided(tensor.shape, strides) if strides and _dense(tensor) else flat.view(tensor.shape)
         offloaded = _Offloaded(self.pool, buffer, host, tensor.device, len(self.groups) - 1, strides)
         self.groups[-1].append(weakref.ref(offloaded))
         if self.stream is None:
@@ -224,11 +225,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        if packed.restored is None:  # not brought back with its group (the first group backward asks for)
-            self._bring_back([packed])
         if packed.group not in self.asked:  # backward has reached this group
             self.asked.add(packed.group)
+            self._bring_back_group(packed.group)  # not brought back ahead: the group before had nothing saved
             self._bring_back_group(packed.group - 1)  # the group whose backward comes next, while this one's runs
+        if packed.restored is None:  # (not reached by its group's: a copy it had already given up on)
+            self._bring_back([packed])
         if packed.ready is not None:
             torch.cuda.current_stream().wait_event(packed.ready)
         packed.used = True
@@ -297,6 +299,16 @@ def group_saved_tensors_by_block(blocks: list[nn.Module]) -> None:
 def _end_block(*_) -> None:
     if _packing is not None:
         _packing.end_block()
+
+
+def _apart(tensor: torch.Tensor) -> bool:
+    """Whether no two of a tensor's elements share memory (what a copy into its strides needs)."""
+    reach = 1  # one past the last element the dims so far reach, from the first
+    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz > 1):
+        if stride < reach:
+            return False
+        reach += (size - 1) * stride
+    return True
 
 
 def _dense(tensor: torch.Tensor) -> bool:

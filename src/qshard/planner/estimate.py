@@ -25,7 +25,7 @@ GIB = 2**30
 # (gradients of its intermediates beside the recomputed tensors): higher where the checkpoint is traced into a
 # compiled graph, whose backward holds more of the recomputed tensors at once than hooks recomputing them eagerly.
 WORKING_SET_FACTOR = {"traced": 1.6, "hooks": 1.35}
-# Checkpoints still on the GPU under activation offload: the block in use and the one being copied.
+# Saved tensors on the GPU under activation offload: the block backward is in and the one brought back ahead.
 OFFLOAD_KEPT_BLOCKS = 2
 # What the caching allocator holds beyond the live tensors at the peak (rounding, blocks not yet reused).
 ALLOCATOR_RESERVE = 0.03
@@ -279,13 +279,13 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     head = 0.0 if logit_gradient_held else _gathered_head(plans, cfg, shapes)
     loss = _loss_chunk(cfg, shapes, logit_gradient_held) + outside + head
     # (kept by the blocks, working set, loss chunk, gradients) of each phase
-    # Kept beside the checkpoints by every checkpointed block until its backward, per block on average.
-    projections = _kept_attention(model, cfg, shapes) / shapes.blocks
+    # ac_keep_attention: kept beside the checkpoints by every checkpointed block until its backward, per block.
+    kept_attention = _kept_attention(model, cfg, shapes) / shapes.blocks
     factor = WORKING_SET_FACTOR["traced" if _traced(cfg, shapes) else "hooks"]
-    phases = [(sum(kept) + projections * shapes.blocks, 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
+    phases = [(sum(kept) + kept_attention * shapes.blocks, 0.0, loss, grads[-1] if head_trains(plans) else 0.0)]
     for i in reversed(range(shapes.blocks)):
         working = _block_working_set(cfg, acts, shapes, i) * factor + outside
-        phases.append((sum(kept[:i]) + projections * i, working, 0.0, sum(grads[i:])))
+        phases.append((sum(kept[:i]) + kept_attention * i, working, 0.0, sum(grads[i:])))
     phases.append((0.0, 0.0, 0.0, sum(grads)))
     phases = [(*phase, 0.0) for phase in phases]
     if extra_forwards(cfg):

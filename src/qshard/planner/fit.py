@@ -11,6 +11,7 @@ from qshard.build import Skeleton
 from qshard.config import QUANTIZED_TRAIN_TYPES, Config
 from qshard.errors import QShardError
 from qshard.host_embedding import embedding_on_host_choice
+from qshard.parallel.compile import AUTO
 from qshard.parallel.tiling import tileable
 from qshard.planner.activations import probe_activations
 from qshard.planner.estimate import Estimate, estimate
@@ -102,7 +103,7 @@ def search(model: Skeleton, cfg: Config, machine: Machine, seq: int, top: int = 
         new = _apply(cfg, setting)
         if new is None:
             continue
-        if cfg.model.embedding_on_host == "auto":  # as `qshard train` would settle it with these settings
+        if cfg.model.embedding_on_host == AUTO:  # as `qshard train` would settle it with these settings
             new.model.embedding_on_host = embedding_on_host_choice(new, True, machine.world_size,
                                                                    lambda: model.model)[0]
         overrides = _overrides(cfg, setting)
