@@ -229,7 +229,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             self.asked.add(packed.group)
             self._bring_back_group(packed.group)  # not brought back ahead: the group before had nothing saved
             self._bring_back_group(packed.group - 1)  # the group whose backward comes next, while this one's runs
-        if packed.restored is None:  # (not reached by its group's: a copy it had already given up on)
+        if packed.restored is None:  # none the group's copy back missed should be left; if one were, it comes now
             self._bring_back([packed])
         if packed.ready is not None:
             torch.cuda.current_stream().wait_event(packed.ready)
