@@ -268,7 +268,7 @@ def test_auto_is_settled_for_each_setting_fit_tries(tiny_models):
                for c in candidates("false"))
 
 
-def test_auto_left_unsettled_reads_as_off_and_several_ranks_build_nothing(monkeypatch):
+def test_auto_left_unsettled_reads_as_off_and_several_ranks_build_nothing():
     """Code that builds a model without settling `auto` keeps the embedding on the GPU; several ranks settle it off
     without building a skeleton (every rank must choose alike, and only one would have one to ask)."""
     from qshard.config import resolve
@@ -281,15 +281,14 @@ def test_auto_left_unsettled_reads_as_off_and_several_ranks_build_nothing(monkey
     model = command.plan_model(cfg, 1)
     assert HostEmbedding.of(model.model) is None and _host_rows(cfg, None) == 0.0
 
-    def no_skeleton(*args, **kwargs):
+    def no_skeleton():
         raise AssertionError("a skeleton was built")
 
-    monkeypatch.setattr(command, "plan_model", no_skeleton)
-    why = command.settle_embedding_on_host(cfg, True, 2)
+    why = command.settle_embedding_on_host(cfg, True, 2, no_skeleton)
     assert cfg.model.embedding_on_host is False and why == (
         "model.embedding_on_host auto: off (2 ranks: each would hold a host copy of its own)")
     failing = resolve(None, [("model.shape", "llama3-8b")])
-    assert "off (the model's skeleton" in command.settle_embedding_on_host(failing, True, 1)  # never stops a run
+    assert "off (the model's skeleton" in command.settle_embedding_on_host(failing, True, 1, no_skeleton)  # no stop
     # Export and generate build the run's model with the embedding on the device, whatever the run settled.
     from qshard.export_cmd import reading_config
 

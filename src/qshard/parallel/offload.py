@@ -201,11 +201,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # alike where they lie densely in some order (a transposed or permuted view: one memcpy each way), else
         # contiguous (a slice of a wider tensor: gathered on the device on its way out, scattered back into memory
         # that spans its first to last element).
-        strides = tensor.stride() if _apart(tensor) else None
+        apart, dense = _layout(tensor)
+        strides = tensor.stride() if apart else None
         nbytes = tensor.numel() * tensor.element_size()
         buffer = self.pool.take(nbytes)
         flat = buffer.host[:nbytes].view(tensor.dtype)
-        host = flat.as_strided(tensor.shape, strides) if strides and _dense(tensor) else flat.view(tensor.shape)
+        host = flat.as_strided(tensor.shape, strides) if dense else flat.view(tensor.shape)
         offloaded = _Offloaded(self.pool, buffer, host, tensor.device, len(self.groups) - 1, strides)
         self.groups[-1].append(weakref.ref(offloaded))
         if self.stream is None:
@@ -227,7 +228,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return packed
         if packed.group not in self.asked:  # backward has reached this group
             self.asked.add(packed.group)
-            self._bring_back_group(packed.group)  # not brought back ahead: the group before had nothing saved
+            self._bring_back_group(packed.group)  # where no later group's backward brought it back ahead
             self._bring_back_group(packed.group - 1)  # the group whose backward comes next, while this one's runs
         if packed.restored is None:  # none the group's copy back missed should be left; if one were, it comes now
             self._bring_back([packed])
@@ -301,24 +302,16 @@ def _end_block(*_) -> None:
         _packing.end_block()
 
 
-def _apart(tensor: torch.Tensor) -> bool:
-    """Whether no two of a tensor's elements share memory (what a copy into its strides needs)."""
-    reach = 1  # one past the last element the dims so far reach, from the first
+def _layout(tensor: torch.Tensor) -> tuple[bool, bool]:
+    """(whether no two of a tensor's elements share memory, what a copy into its strides needs; whether they
+    also leave no gaps, lying densely in some order of its dims), from its strides, smallest first."""
+    reach, dense = 1, True  # one past the last element the dims so far reach, from the first
     for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz > 1):
         if stride < reach:
-            return False
+            return False, False
+        dense = dense and stride == reach
         reach += (size - 1) * stride
-    return True
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether a tensor's strides lay its elements out without gaps or overlaps, in some order of its dims."""
-    reach = 1  # the elements the dims so far cover, from the first
-    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz > 1):
-        if stride != reach:
-            return False
-        reach *= size
-    return True
+    return True, dense
 
 
 def _like(copy: _Offloaded) -> torch.Tensor:

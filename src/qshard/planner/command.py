@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn as nn
 
 from qshard.build import Skeleton, skeleton, training_tokenizer
 from qshard.config import QUANTIZED_TRAIN_TYPES, Config
@@ -63,7 +64,7 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
     planned, found = copy.deepcopy(cfg), None
     # model.embedding_on_host auto first, as `qshard train` settles it: the settings below are planned with the
     # embedding where the run would keep it (--fit's search settles it for each setting it tries).
-    embedding = settle_embedding_on_host(planned, True, machine.world_size, skeleton=model)
+    embedding = settle_embedding_on_host(planned, True, machine.world_size, lambda: model)
     settled = [embedding] if embedding else []
     if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
         planned.parallel.ac_save_projections, why, found = _save_projections(model, planned, machine, length)
@@ -198,10 +199,13 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
             setattr(getattr(cfg, section), key, _typed(getattr(getattr(cfg, section), key), value))
         if cfg.parallel.cpu_offload:  # the gradient norm is reduced on the host
             add_cpu_collectives()
+    # The run's skeleton, once the settings are final, built where first asked for and shared (each costs a
+    # fraction of a second, a 70B one more).
+    planned_model = functools.cache(lambda: plan_model(cfg, machine.world_size if machine else 1, model_dir,
+                                                       vocab_size))
     # model.embedding_on_host auto, once the settings are final (--auto-fit's search settled it for each it tried),
     # before the run is predicted: every rank alike.
-    why = settle_embedding_on_host(cfg, machine is not None, machine.world_size if machine else 1, model_dir,
-                                   vocab_size)
+    why = settle_embedding_on_host(cfg, machine is not None, machine.world_size if machine else 1, planned_model)
     if why and is_main:
         log.info(why)
     if machine is None:
@@ -213,7 +217,7 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
     settle = cfg.parallel.ac_save_projections == AUTO
 
     def predict() -> tuple[bool, str] | None:
-        model = plan_model(cfg, machine.world_size, model_dir, vocab_size)
+        model = planned_model()
         planned = compile_planned(cfg)
         found = None
         if settle:
@@ -232,20 +236,17 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
         _guarded(predict)
 
 
-def settle_embedding_on_host(cfg: Config, on_gpu: bool, world_size: int, model_dir: Path | None = None,
-                             vocab_size: int | None = None, skeleton: Skeleton | None = None) -> str | None:
+def settle_embedding_on_host(cfg: Config, on_gpu: bool, world_size: int,
+                             skeleton: Callable[[], Skeleton]) -> str | None:
     """model.embedding_on_host auto settled in `cfg` (host_embedding.py, embedding_on_host_choice) for a run of
     `world_size` processes, on GPUs or not, before anything is predicted or built from it; the line that says
-    how, or None where it was given. Every rank settles it alike: the skeleton (`skeleton`, or one built here) is
-    asked only of one process. A skeleton that fails to build leaves it off (the build then says why)."""
+    how, or None where it was given. Every rank settles it alike: `skeleton()`, the run's planned model (which the
+    planner reads the option from `cfg` for, not from the model), is asked only of one process. A skeleton that
+    fails to build leaves it off (the build then says why)."""
     if cfg.model.embedding_on_host != AUTO:
         return None
-
-    def model() -> nn.Module:
-        return (skeleton or plan_model(cfg, world_size, model_dir, vocab_size)).model
-
     try:
-        on, why = embedding_on_host_choice(cfg, on_gpu, world_size, model)
+        on, why = embedding_on_host_choice(cfg, on_gpu, world_size, lambda: skeleton().model)
     except Exception as exc:  # a prediction's failure must not stop a run (as `_guarded`)
         on, why = False, f"off (the model's skeleton: {type(exc).__name__}: {exc})"
     cfg.model.embedding_on_host = on
