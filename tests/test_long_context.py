@@ -373,8 +373,11 @@ def test_offload_pool_reuses_host_buffers_across_steps(dist_env, tiny_models, mo
 
     from qshard.parallel import offload
 
-    options = (("train.train_type", "qlora"),)
-    ids = [torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    # Eager blocks where dist_env computes (on a GPU machine, copies without a side stream): the bookkeeping alone.
+    options = (("train.train_type", "qlora"), ("parallel.compile", "false"))
+    device = dist_env.device.type
+    ids = [torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(s)).to(dist_env.device)
+           for s in range(3)]
 
     def train(hooks) -> list[float]:
         model = _build(tiny_models("llama"), dist_env, TILE, *options)
@@ -400,7 +403,7 @@ def test_offload_pool_reuses_host_buffers_across_steps(dist_env, tiny_models, mo
     logger.setLevel(logging.INFO)
     logger.addHandler(lines)
     try:
-        found = train(lambda tokens: offload.OffloadActivations(pool, None, "cpu", tokens))
+        found = train(lambda tokens: offload.OffloadActivations(pool, None, device, tokens))
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
@@ -465,43 +468,56 @@ def test_offload_copies_a_tensor_saved_twice_once(dist_env, tiny_models):
 
 def test_offload_brings_each_block_back_while_the_block_after_runs_backward(dist_env, tiny_models):
     """Under parallel.activation_offload each block's saved tensors form a group (closed by a hook at the block's
-    end), the head's one more; a tensor several blocks save (a table every block keeps) belongs to the last of
-    them. Backward finds every tensor it asks for back on the device already: the last group's brought back as
-    the forward ended, each other group's while the group after it ran backward. Loss and gradients are those
-    without offload."""
+    end); a tensor several blocks save (a table every block keeps) belongs to the last of them. What the last block
+    and the head save stays on the device (backward needs it first). Backward finds every tensor it asks for back
+    on the device already: the last group's brought back as the forward ended, each other group's while the group
+    after it ran backward. Loss and gradients are those without offload."""
     from qshard.parallel import offload
 
-    blocks = 3
+    blocks = 4
     model = _build(tiny_models("llama", num_hidden_layers=blocks), dist_env, TILE, ("train.train_type", "qlora"),
-                   ("parallel.activation_offload", "true"))
-    ids = torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(0))
+                   ("parallel.activation_offload", "true"), ("parallel.compile", "false"))
+    ids = torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(0)).to(dist_env.device)
     expected = _loss_and_grads(model, ids)  # outside an offloaded forward the blocks' hooks do nothing
 
-    asked = []
+    asked, kept = [], []
 
     class Recording(offload.OffloadActivations):
+        def _pack(self, tensor):
+            packed = super()._pack(tensor)
+            if self.keeping:
+                kept.append(packed is tensor)
+            return packed
+
         def _unpack(self, packed):
             if isinstance(packed, offload._Offloaded):
                 asked.append((packed.group, packed.restored is not None))
             return super()._unpack(packed)
 
-    recording = Recording(offload.HostPool(pin=False), None, "cpu", ids.numel())
+    pool = offload.HostPool(pin=False)
+    recording = Recording(pool, None, dist_env.device.type, ids.numel())
     with recording:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    assert len(recording.groups) == blocks + 1, [len(g) for g in recording.groups]
-    assert all(c.restored is not None for c in recording._group(blocks))  # the head's, back before backward
-    assert all(c.restored is None for g in range(blocks) for c in recording._group(g))
+    offloaded = [g for g in range(len(recording.groups)) if recording._group(g)]
+    assert offloaded == list(range(blocks - 1)), [len(g) for g in recording.groups]  # not the last block's
+    assert kept and all(kept)  # the last block and the head saved tensors, and kept them on the device
+    copies = [c for g in offloaded for c in recording._group(g)]
+    assert pool.in_use == sum(c.host.numel() * c.host.element_size() for c in copies)
+    assert all(c.restored is not None for c in recording._group(blocks - 2))  # back before backward asks
+    assert all(c.restored is None for g in range(blocks - 2) for c in recording._group(g))
+    del copies
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert loss.item() == expected[0] and all(torch.equal(grads[n], g) for n, g in expected[1].items())
-    assert {group for group, _ in asked} == set(range(blocks + 1))  # every group was asked for
+    assert {group for group, _ in asked} == set(range(blocks - 1))  # every group was asked for
     assert all(back for _, back in asked), asked
+    assert pool.in_use == 0
 
 
 def test_offload_a_tensor_several_blocks_save_comes_back_with_the_last_of_them():
-    """A table every block saves is copied to the host once and belongs to the last block that saved it, whose
+    """A table every block saves is copied to the host once and belongs to the last block that offloaded it, whose
     backward comes first: it is back before backward asks, not fetched alone then (nor its first block's group
-    with it)."""
+    with it). The last block keeps the table itself."""
     from qshard.parallel import offload
 
     class Scale(nn.Module):
@@ -516,7 +532,7 @@ def test_offload_a_tensor_several_blocks_save_comes_back_with_the_last_of_them()
 
     class Recording(offload.OffloadActivations):
         def _unpack(self, packed):
-            asked.append((packed.group, packed.restored is not None))
+            asked.append(packed is table or (packed.group, packed.restored is not None))
             return super()._unpack(packed)
 
     with Recording(pool, None, "cpu", 8) as recording:
@@ -525,9 +541,9 @@ def test_offload_a_tensor_several_blocks_save_comes_back_with_the_last_of_them()
             h = block(h, table)
     assert pool.allocations == 1  # one copy of the table
     (copy,) = {id(c): c for g in range(len(recording.groups)) for c in recording._group(g)}.values()
-    assert copy.group == 2 and copy.restored is not None  # the last block's group, back as the forward ended
+    assert copy.group == 1 and copy.restored is not None  # the second block's group, back as the forward ended
     h.sum().backward()
-    assert asked == [(2, True)] * 3 and torch.allclose(x.grad, table ** 3)
+    assert asked == [True, (1, True), (1, True)] and torch.allclose(x.grad, table ** 3)
 
 
 def test_offload_brings_nothing_back_after_a_failed_forward():

@@ -9,10 +9,11 @@ FSDP2 and offloaded by parallel/storage_offload.py.
 
 Activations: tensors that autograd saves for backward are copied to pinned CPU memory on a side stream
 while compute goes on, into host buffers of a pool reused from step to step (`HostPool`), and copied back
-on that stream a block ahead of backward's need (`OffloadActivations`). Parameters are left in place
+on that stream a block ahead of backward's need (`OffloadActivations`); what the last block and the head save,
+which backward needs first, stays on the GPU. Parameters are left in place
 (copying a weight out and back would only cost time). With activation checkpointing the checkpointed blocks
 save nothing but their inputs (and what parallel.ac_save_projections keeps), and those move too (hidden size
-x dtype bytes per token per block), with the rest (non-checkpointed blocks, head). On a CPU-only machine
+x dtype bytes per token per block), with what blocks not checkpointed save. On a CPU-only machine
 activations already live in host memory: nothing to do.
 """
 
@@ -143,10 +144,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     backward brings them back (the unpack hooks travel with the saved tensors).
 
     The saved tensors are grouped by the block whose forward saved them (`end_block`, called by a hook at the end
-    of each block's forward; what comes after the last block, the head's, is a group of its own). Backward needs
+    of each block's forward). Backward needs
     the groups in reverse: when it asks for a tensor of one group, the group before is copied back on the side
     stream while the compute stream runs this one's backward, and the last group is copied back as soon as the
-    forward ends, so that backward waits for no copy it could have made earlier."""
+    forward ends, so that backward waits for no copy it could have made earlier.
+
+    What the last block and the head save stays on the device (`keep_the_rest`, called as the block before the last
+    ends, before anything saves the last block's input): backward needs it first, so both its copy out and its
+    copy back would be waited for, and it would be back on the device at backward's start anyway."""
 
     def __init__(self, pool: HostPool, stream: torch.cuda.Stream | None, device_type: str, tokens: int) -> None:
         self.pool, self.stream, self.device_type, self.tokens = pool, stream, device_type, tokens
@@ -158,6 +163,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.groups: list[list[weakref.ref]] = [[]]
         self.brought: set[int] = set()  # the groups whose copies went back to the device
         self.asked: set[int] = set()  # the groups backward has asked for a copy of
+        self.keeping = False  # from the last block's forward on: saved tensors stay where they are
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> OffloadActivations:
@@ -171,12 +177,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if self.groups[-1]:
             self.groups.append([])
 
+    def keep_the_rest(self) -> None:
+        """The block before the last has ended: the last block and the head keep what they save on the device."""
+        self.keeping = True
+
     def _pack(self, tensor: torch.Tensor):
         # Model storage saved for backward stays put: parameters and views of them (a linear keeps its weight
         # transposed: the output head's alone is 1 GiB for an 8B model), and the DTensor buffers that hold the
         # quantized shards under quant_sharding: dtensor (copying those out and back each step is all cost).
         base = tensor if tensor._base is None else tensor._base
-        if tensor.device.type != self.device_type or isinstance(tensor, DTensor) or \
+        if self.keeping or tensor.device.type != self.device_type or isinstance(tensor, DTensor) or \
                 isinstance(base, (nn.Parameter, DTensor)) or not tensor.numel():
             return tensor
         if type(tensor) is not torch.Tensor:  # a subclass may have no storage of its own to key on
@@ -278,7 +288,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         _packing = None
         super().__exit__(*exc)
         self.copies.clear()  # autograd alone holds the copies now: each buffer returns once backward is done
-        if exc[0] is None:  # what backward needs first (the last group that saved anything), on its way now
+        if exc[0] is None:  # what backward needs first of what went out (the last group), on its way now
             saved = [g for g in range(len(self.groups)) if self._group(g)]
             if saved:
                 self._bring_back_group(saved[-1])
@@ -291,15 +301,23 @@ _packing: OffloadActivations | None = None
 
 def group_saved_tensors_by_block(blocks: list[nn.Module]) -> None:
     """Hooks that close a group of offloaded tensors at the end of each block's forward (OffloadActivations): the
-    unit in which backward brings them back ahead of need. Outside an offloaded forward (the recompute of a
-    checkpointed block, evaluation) they do nothing."""
+    unit in which backward brings them back ahead of need; and one that keeps what the last block and the head
+    save on the device. Outside an offloaded forward (the recompute of a checkpointed block, evaluation) they do
+    nothing."""
     for block in blocks:
         block.register_forward_hook(_end_block)
+    if len(blocks) > 1:  # its end, not the last block's start: a checkpoint wrapper saves the input before that
+        blocks[-2].register_forward_hook(_keep_the_rest)
 
 
 def _end_block(*_) -> None:
     if _packing is not None:
         _packing.end_block()
+
+
+def _keep_the_rest(*_) -> None:
+    if _packing is not None:
+        _packing.keep_the_rest()
 
 
 def _layout(tensor: torch.Tensor) -> tuple[bool, bool]:

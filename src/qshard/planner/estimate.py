@@ -116,7 +116,7 @@ def estimate(model: Skeleton, cfg: Config, machine: Machine, seq: int, acts: Blo
         peaks.append(sum(rank_parts.values()) / GIB)
         parts = parts if parts is not None and sum(parts.values()) >= sum(rank_parts.values()) else rank_parts
     host_parts, loading = _host_parts(model, cfg, layouts[0], acts, shapes, machine)
-    offloaded = sum(_kept_per_block(model, cfg, acts, shapes)) if cfg.parallel.activation_offload else 0.0
+    offloaded = _offloaded_activations(model, cfg, acts, shapes)
     traced = _traced(cfg, shapes)
     times = step_times(model, cfg, layouts[0], shapes, machine, offloaded, traced)
     step = sum(times.values())
@@ -346,6 +346,14 @@ def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes
             if id(b) in ckpt else _block_working_set(cfg, acts, shapes, i) for i, b in enumerate(model.blocks)]
 
 
+def _offloaded_activations(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
+    """What activation offload moves to the host per micro-batch (bytes): what every block but the last keeps (the
+    last block and the head keep theirs on the GPU, parallel/offload.py)."""
+    if not cfg.parallel.activation_offload:
+        return 0.0
+    return sum(_kept_per_block(model, cfg, acts, shapes)[:-1])
+
+
 def _kept_attention(model: Skeleton, cfg: Config, shapes: Shapes) -> float:
     """Under parallel.ac_keep_attention: each checkpointed block's attention output, held on the GPU from its
     forward to its backward (parallel/kept_attention.py)."""
@@ -412,11 +420,8 @@ def _host_parts(model: Skeleton, cfg: Config, plans: list[TensorPlan], acts: Blo
         # Page-locked at their exact size (parallel/storage_offload.py).
         pinned += sum(storage_block_bytes(plans, model))
     trained = [p for p in plans if p.trainable and p.on_host]
-    offloaded_acts = 0.0
-    if cfg.parallel.activation_offload:
-        # Everything forward saves goes out, the blocks' and what is saved outside them, into host buffers
-        # page-locked at their exact size and reused across steps (parallel/offload.py, HostPool).
-        offloaded_acts = sum(_kept_per_block(model, cfg, acts, shapes)) + shapes.tokens * acts.outside
+    # In host buffers page-locked at their exact size and reused across steps (parallel/offload.py, HostPool).
+    offloaded_acts = _offloaded_activations(model, cfg, acts, shapes)
     parts = {
         "process and libraries": HOST_BASE_GIB * GIB * ranks,
         "offloaded weights (pinned)": pinned * ranks,

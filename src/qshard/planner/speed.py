@@ -95,13 +95,15 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     # run as compiled graphs without a unit's hooks.
     graphs = p.compile and shapes.blocks_in_place
     launch = "cuda_graph" if p.replays_graphs() else "graph" if graphs else "hooks"
-    host = shapes.blocks * hardware.HOST_PER_BLOCK_S[launch]
+    host = shapes.blocks * (hardware.HOST_PER_BLOCK_S[launch] +
+                            (hardware.HOST_OFFLOAD_PER_BLOCK_S if offloaded_activations else 0.0))
     link = _link_seconds(cfg, plans, machine)
     pcie = _pcie_seconds(cfg, plans, machine)
-    # Activation offload's copies counted as adding to the step rather than hiding under compute, as measured when
-    # backward waited for each copy back where it unpacked it (8B 2k compiled on an H200: 10,176 -> 8,602 tok/s).
-    # Copies back a block ahead (parallel/offload.py, since e35d9b1) have not been measured on a GPU yet.
-    activations = 2 * offloaded_activations / (g.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)
+    # Activation offload copies on a side stream: out while forward computes, back a block ahead while backward
+    # does (parallel/offload.py); only the part of either direction that outlasts its pass adds to the step.
+    copy = offloaded_activations / (g.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)
+    forward = gpu / (2 + ckpt)  # forward's share of the matmuls; backward and the recompute the rest
+    activations = max(0.0, copy - forward) + max(0.0, copy - (gpu - forward))
     busy = max(gpu, host, link, pcie)
     times = {
         "compute": gpu * micro,
