@@ -17,9 +17,9 @@ tokens, between the longest that ran and the shortest that did not (or twice the
 The model: random weights of the named shape (no checkpoint, so no position limit applies), NF4 base, LoRA
 r=64 alpha 16 on every block linear, batch 1, activation checkpointing on every block (benchmarks/
 step_phases.py's trainer); extra `--section.key VALUE` options go to every run. The variants:
-  plain          the defaults
-  offload        parallel.activation_offload true (checkpointed block inputs in pinned host memory)
-  tiled          parallel.mlp_tile_tokens --tile
+  plain          the defaults, but parallel.activation_offload false (its auto is on from 8,192 tokens)
+  offload        parallel.activation_offload true (what the blocks keep for backward, in pinned host memory)
+  tiled          parallel.mlp_tile_tokens --tile, activation offload off
   offload_tiled  both
   offload_tiled_kept  both, and parallel.ac_keep_attention true (the recompute takes the forward's attention)
 The cap is torch.cuda.set_per_process_memory_fraction(cap / total) before anything is allocated, so the
@@ -43,9 +43,9 @@ import time
 from pathlib import Path
 
 VARIANTS = {
-    "plain": [],
+    "plain": ["--parallel.activation_offload", "false"],
     "offload": ["--parallel.activation_offload", "true"],
-    "tiled": ["--parallel.mlp_tile_tokens", "{tile}"],
+    "tiled": ["--parallel.activation_offload", "false", "--parallel.mlp_tile_tokens", "{tile}"],
     "offload_tiled": ["--parallel.activation_offload", "true", "--parallel.mlp_tile_tokens", "{tile}"],
     "offload_tiled_kept": ["--parallel.activation_offload", "true", "--parallel.mlp_tile_tokens", "{tile}",
                            "--parallel.ac_keep_attention", "true"],

@@ -36,8 +36,9 @@ def grid() -> dict[str, list[str]]:
 
     def row(shape: str, seq: int, train_type: str = "qlora", batch: int = 1, compiled: bool = True,
             *extra: str) -> list[str]:
+        offload = [] if "--parallel.activation_offload" in extra else ["--parallel.activation_offload", "false"]
         return ["--model.shape", f"llama3-{shape}", "--train-type", train_type, "--max-length", str(seq),
-                "--batch-size", str(batch), "--parallel.compile", str(compiled).lower(), *extra]
+                "--batch-size", str(batch), "--parallel.compile", str(compiled).lower(), *offload, *extra]
 
     return {
         "8b-qlora-2k-b1-compile": row("8b", 2048),

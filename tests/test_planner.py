@@ -142,6 +142,8 @@ MEASURED = [
 def test_predictions_are_near_the_h200_measurements(capsys, options, peak, tok_s):
     if "--model.embedding_on_host" not in options:  # the rows that do not say ran with the embedding on the GPU
         options = [*options, "--model.embedding_on_host", "false"]
+    if "--parallel.activation_offload" not in options:  # and without activation offload
+        options = [*options, "--parallel.activation_offload", "false"]
     found = _plan(capsys, *H200_8B, *options)
     if peak is not None:
         assert abs(found["peak_gpu_gib"] - peak) <= 0.1 * peak, found
@@ -274,12 +276,63 @@ def test_save_projections_auto_is_on_where_the_run_with_them_stays_well_inside_t
 
         on, why = settled(Machine(gpu("h200")), ("data.max_length", "2048"))
         assert on is True and "on (predicted with it: 10.1 GiB per GPU, within 80% of the GPU's 139.8)" in why, why
-        # 8B at 10,240 tokens on a 24 GB card: predicted 19.8 GiB with them, within what fits (90% of its 23.6 GiB)
-        # but not within the 80% an automatic choice spends.
-        on, why = settled(Machine(gpu("4090")), ("data.max_length", "10240"))
+        # 8B at 10,240 tokens on a 24 GB card without activation offload (whose auto would take them to the host):
+        # predicted 19.8 GiB with them, within what fits (90% of its 23.6 GiB) but not within the 80% an automatic
+        # choice spends.
+        on, why = settled(Machine(gpu("4090")), ("data.max_length", "10240"), ("parallel.activation_offload", "false"))
         assert on is False and "19.8 GiB per GPU, over 18.9, 80% of the GPU's 23.6" in why, why
         on, why = settled(Machine(gpu("h200")), ("data.max_length", "2048"), ("parallel.compile", "false"))
         assert on is False and "no block is checkpointed inside its compiled graph" in why
+    finally:
+        logging.getLogger("qshard").removeHandler(lines)
+
+
+def test_activation_offload_auto_is_on_for_long_micro_batches_within_the_host(capsys, dist_env):
+    """parallel.activation_offload auto: off at 2,048 tokens a micro-batch (its host work would show: 27% slower on an
+    H200), on at 8,192 (as fast, 7 GiB less GPU memory), off where the run with it is predicted over 80% of the
+    host's memory; off with cpu_offload, without checkpointing and without CUDA. `qshard plan` says what `qshard
+    train` settles, and settles the embedding and the projections after it."""
+    from qshard.planner.command import activation_offload_choice, compile_planned, plan_model, preflight
+    from qshard.planner.hardware import Machine, gpu
+
+    base = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "64"]
+    short = _plan(capsys, *base, "--seq", "2048")
+    assert short["activation_offload"] is False and short["embedding_on_host"] is True
+    long = _plan(capsys, *base, "--seq", "8192")
+    assert long["activation_offload"] is True and long["embedding_on_host"] is False
+    assert long["host_parts"]["offloaded activations (pinned)"] > 5  # with the projections it keeps
+    kept = _plan(capsys, *base, "--seq", "8192", "--parallel.activation_offload", "false")
+    assert "activation_offload" not in kept and long["peak_gpu_gib"] < kept["peak_gpu_gib"] - 4
+    assert long["tok_s"] >= 0.95 * kept["tok_s"]
+    # 128k tokens: with 128 GiB of host memory on, the projections then left on the GPU (on the host they would
+    # take over 80% of it); with 32 GiB off.
+    roomy = _plan(capsys, *base, "--seq", "131072", "--host-mem", "128")
+    assert roomy["activation_offload"] is True and roomy["ac_save_projections"] is False
+    assert roomy["peak_host_gib"] <= 0.8 * 128
+    small = _plan(capsys, *base, "--seq", "131072", "--host-mem", "32")
+    assert small["activation_offload"] is False
+    assert main(["plan", *base, "--seq", "131072", "--host-mem", "32"]) == 0
+    assert "parallel.activation_offload auto: off (predicted with it: " in capsys.readouterr().out
+
+    def choice(*options):
+        cfg = compile_planned(resolve(None, [("model.shape", "llama3-8b"), ("lora.rank", "64"), *options]), True)
+        return activation_offload_choice(plan_model(cfg, 1), cfg, Machine(gpu("h200"), host_mem_gib=128), 8192)
+
+    assert choice() == (True, choice()[1]) and choice()[1].startswith("on (8,192 tokens a micro-batch")
+    assert choice(("parallel.cpu_offload", "true"))[0] is False
+    assert "activation_checkpointing false" in choice(("parallel.activation_checkpointing", "false"))[1]
+
+    lines = LogLines()
+    logging.getLogger("qshard").addHandler(lines)
+    try:
+        for machine, on in ((Machine(gpu("h200")), True), (None, False)):
+            lines.lines.clear()
+            cfg = resolve(None, [("model.shape", "llama3-8b"), ("lora.rank", "64"), ("data.max_length", "8192")])
+            assert cfg.parallel.activation_offload == "auto" and not cfg.parallel.offloads_activations()
+            preflight(cfg, machine, None, None, auto_fit=False, is_main=True)
+            said = [line for line in lines.lines if line.startswith("parallel.activation_offload auto:")]
+            assert len(said) == 1 and cfg.parallel.activation_offload is on, lines.lines
+            assert cfg.model.embedding_on_host is False  # settled after it: not beside the offload, nor on the CPU
     finally:
         logging.getLogger("qshard").removeHandler(lines)
 
@@ -602,7 +655,7 @@ def test_activation_offload_moves_the_projections_compiled_blocks_keep(capsys):
     inputs after rotary), as the plan is 1.1 GiB short of the GPU's peak at 8,192 tokens without offload."""
     base = ["--model.shape", "llama3-8b", "--gpu-kind", "h200", "--lora-rank", "64", "--seq", "8192",
             "--parallel.ac_save_projections", "true", "--model.embedding_on_host", "false"]
-    kept = _plan(capsys, *base)
+    kept = _plan(capsys, *base, "--parallel.activation_offload", "false")
     moved = _plan(capsys, *base, "--parallel.activation_offload", "true")
     on_gpu = kept["parts"]["checkpointed activations"]
     assert on_gpu > 6.5  # 32 blocks' inputs (2 GiB), projections (3 GiB) and attention outputs (2 GiB)

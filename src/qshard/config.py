@@ -292,8 +292,12 @@ class ParallelConfig:
     # by FSDP2 inside it, whose copy to the host is then synchronous (train/grad_sum.py); the same numbers, one more
     # set of the trained weights' gradients in host memory.
     defer_grad_accumulation: bool = False
-    # Move the activations saved for backward to (pinned) CPU memory during forward, back in backward.
-    activation_offload: bool = False
+    # Move the activations saved for backward to (pinned) CPU memory during forward, back in backward (a block
+    # ahead, on a side stream: parallel/offload.py). auto: on for CUDA runs whose micro-batches hold at least
+    # 8,192 tokens, without cpu_offload, where the run with it is predicted to fit the host's memory
+    # (planner/command.py, activation_offload_choice); off elsewhere (and in code that builds a model without that
+    # decision).
+    activation_offload: Literal["auto", True, False] = "auto"
     # Who shards the NF4/HQQ codes and scales: FSDP2 itself (grouped, prefetched all-gathers; as integers, or
     # as bf16/fp32 carriers of the bytes where its FSDP2 refuses integers, checked byte for byte at build
     # time), or DTensor buffers gathered per layer on use (what cpu_offload keeps in host memory a block at a
@@ -325,6 +329,10 @@ class ParallelConfig:
     def saves_projections(self) -> bool:
         """Whether blocks keep their projections (ac_save_projections): `auto` not yet settled reads as off."""
         return self.ac_save_projections is True
+
+    def offloads_activations(self) -> bool:
+        """Whether saved activations go to host memory (activation_offload): `auto` not yet settled reads as off."""
+        return self.activation_offload is True
 
     def replays_graphs(self) -> bool:
         """Whether compiled blocks replay as CUDA graphs (cuda_graphs): `auto` not yet settled reads as off."""
@@ -719,11 +727,11 @@ class Config:
             # padded to data.max_length instead (train/loop.py).
             unmet.append(f"for train.objective sft only (not {self.train.objective}): preference pairs come in "
                          "rows of varying width, each recorded as graphs of its own")
-        if p.activation_offload:
+        if p.offloads_activations():
             # Its copies to the host read saved tensors on a side stream; in a graph's memory pool those do not own
             # their memory, so a later replay could overwrite one before its copy is done.
             unmet.append("not with parallel.activation_offload (its copies of the saved tensors could race the next "
-                         "graph replay); turn one of them off")
+                         "graph replay)")
         return unmet
 
     def _validate_resident_blocks(self) -> None:

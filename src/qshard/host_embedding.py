@@ -91,7 +91,7 @@ def embedding_on_host_choice(cfg: Config, on_gpu: bool, world_size: int, skeleto
         return False, f"off ({world_size} ranks: each would hold a host copy of its own)"
     if cfg.parallel.cpu_offload:
         return False, "off (parallel.cpu_offload spends the host's memory on the offloaded weights)"
-    if cfg.parallel.activation_offload:
+    if cfg.parallel.offloads_activations():
         return False, "off (parallel.activation_offload spends the host's memory on the offloaded activations)"
     model = skeleton()
     reason = _kept_on_device(model, model.get_input_embeddings(), cfg)

@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg
     traced = traced_blocks(blocks, in_place, mesh, parallel, cfg.train.train_type, cfg.lora.dropout)
     log_adapter_blocks_in_place(blocks, in_place, traced)
     apply_activation_checkpointing(model, blocks, parallel, traced)
-    if parallel.activation_offload:  # backward brings the offloaded tensors back a block ahead
+    if parallel.offloads_activations():  # backward brings the offloaded tensors back a block ahead
         group_saved_tensors_by_block(blocks)
     if parallel.replays_graphs():
         check_cuda_graphs(parallel, compute_device(mesh), len(traced), len(checkpointed_blocks(blocks, parallel)))

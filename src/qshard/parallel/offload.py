@@ -307,7 +307,7 @@ def group_saved_tensors_by_block(blocks: list[nn.Module]) -> None:
     for block in blocks:
         block.register_forward_hook(_end_block)
     if len(blocks) > 1:  # its end, not the last block's start: a checkpoint wrapper saves the input before that
-        blocks[-2].register_forward_hook(_keep_the_rest)
+        blocks[-2].register_forward_hook(_keep_the_rest)  # blocks: in the order they run (models.find_blocks)
 
 
 def _end_block(*_) -> None:
@@ -316,7 +316,8 @@ def _end_block(*_) -> None:
 
 
 def _keep_the_rest(*_) -> None:
-    if _packing is not None:
+    # Not in a gradient-free forward under the same hooks (a preference loss's reference, before the policy's).
+    if _packing is not None and torch.is_grad_enabled():
         _packing.keep_the_rest()
 
 
@@ -361,7 +362,7 @@ _logged = False
 def activation_offload(cfg: Config, device: torch.device) -> Callable[[int], AbstractContextManager]:
     """A factory of the context each micro-batch's forward runs in, given the micro-batch's tokens
     (`OffloadActivations`). One pool of host buffers serves every micro-batch and step."""
-    if not cfg.parallel.activation_offload or device.type != "cuda":
+    if not cfg.parallel.offloads_activations() or device.type != "cuda":
         return lambda tokens: contextlib.nullcontext()
     pool, stream = HostPool(pin=True), torch.cuda.Stream(device)
     return lambda tokens: OffloadActivations(pool, stream, device.type, tokens)

@@ -30,6 +30,12 @@ log = logging.getLogger("qshard")
 # An automatic choice spends GPU memory on speed only where the run is predicted to stay this far inside the GPU's
 # memory, not just within what `Estimate.fits` allows: a prediction's error must not turn a run that fit into an OOM.
 AUTO_SPEND_GPU_FRACTION = 0.8
+# And host memory only within this share of the host's: page-locked buffers cannot be swapped out.
+AUTO_SPEND_HOST_FRACTION = 0.8
+# parallel.activation_offload auto: on from this many tokens a micro-batch. Its hooks' work on the host shows in
+# shorter steps, which the host nearly bounds already (8B at 2,048 tokens on an H200: 27% slower); at 8,192 the
+# GPU's work hides it and the copies (as fast as without, 7 GiB less GPU memory: docs/benchmarks.md).
+OFFLOAD_MIN_TOKENS = 8192
 
 
 def plan_model(cfg: Config, world_size: int, model_dir: Path | None = None, vocab_size: int | None = None
@@ -61,11 +67,15 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
         raise QShardError(f"--seq must be > 0, got {length}")
     cfg = compile_planned(cfg, triton=True)
     model = plan_model(cfg, machine.world_size)
-    planned, found = copy.deepcopy(cfg), None
-    # model.embedding_on_host auto first, as `qshard train` settles it: the settings below are planned with the
-    # embedding where the run would keep it (--fit's search settles it for each setting it tries).
+    planned, found, settled = copy.deepcopy(cfg), None, []
+    # parallel.activation_offload and model.embedding_on_host auto first, as `qshard train` settles them: the
+    # settings below are planned with both as the run would have them (--fit's search settles the embedding for each
+    # setting it tries, and names the offload in each).
+    if cfg.parallel.activation_offload == AUTO:
+        planned.parallel.activation_offload, why = activation_offload_choice(model, planned, machine, length)
+        settled.append(f"parallel.activation_offload auto: {why}")
     embedding = settle_embedding_on_host(planned, True, machine.world_size, lambda: model)
-    settled = [embedding] if embedding else []
+    settled += [embedding] if embedding else []
     if cfg.parallel.ac_save_projections == AUTO:  # as `qshard train` would settle it on this machine
         planned.parallel.ac_save_projections, why, found = _save_projections(model, planned, machine, length)
         settled.append(f"parallel.ac_save_projections auto: {why}")
@@ -87,7 +97,7 @@ def run_plan(cfg: Config, machine: Machine, seq: int | None, as_json: bool, fit:
     fits = _search(model, cfg, machine, length, top) if fit else None
     if as_json:
         out = {**found.to_json(), "seq": length}
-        for key in ("ac_save_projections", "cuda_graphs"):
+        for key in ("activation_offload", "ac_save_projections", "cuda_graphs"):
             if getattr(cfg.parallel, key) == AUTO:
                 out[key] = getattr(planned.parallel, key)
         if embedding:
@@ -203,6 +213,17 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
     # fraction of a second, a 70B one more).
     planned_model = functools.cache(lambda: plan_model(cfg, machine.world_size if machine else 1, model_dir,
                                                        vocab_size))
+    # parallel.activation_offload auto, before the embedding's (which leaves the host's memory to the offload) and
+    # the projections' (predicted with the offload as settled): rank 0's choice on every rank, said once.
+    if cfg.parallel.activation_offload == AUTO:
+        on, why = False, "off (no CUDA device: saved activations live in host memory already)"
+        if machine is not None:
+            on, why = from_rank0(lambda: _guarded(lambda: activation_offload_choice(
+                planned_model(), compile_planned(cfg), machine, cfg.data.max_length)), is_main) or (
+                False, "off (the run could not be predicted)")
+        cfg.parallel.activation_offload = on
+        if is_main:
+            log.info("parallel.activation_offload auto: %s", why)
     # model.embedding_on_host auto, once the settings are final (--auto-fit's search settled it for each it tried),
     # before the run is predicted: every rank alike.
     why = settle_embedding_on_host(cfg, machine is not None, machine.world_size if machine else 1, planned_model)
@@ -253,20 +274,50 @@ def settle_embedding_on_host(cfg: Config, on_gpu: bool, world_size: int,
     return f"model.embedding_on_host auto: {why}"
 
 
+def activation_offload_choice(model: Skeleton, cfg: Config, machine: Machine, seq: int) -> tuple[bool, str]:
+    """(whether `cfg`, compile decided, offloads its saved activations under `auto`, why in a few words): where
+    micro-batches of `seq`-token rows hold OFFLOAD_MIN_TOKENS or more, blocks are checkpointed (otherwise all a
+    block saves would cross the link; not measured), parameters stay on the GPU (parallel.cpu_offload spends the
+    host's memory and link on them), and the run with it is predicted to keep its copies under the GPU's work and
+    to stay within AUTO_SPEND_HOST_FRACTION of the host's memory."""
+    p = cfg.parallel
+    tokens = seq * cfg.train.micro_batch_size
+    if p.cpu_offload:
+        return False, "off (parallel.cpu_offload spends the host's memory and link on the weights)"
+    if not p.activation_checkpointing:
+        return False, "off (parallel.activation_checkpointing false: every block's whole working set would move)"
+    if tokens < OFFLOAD_MIN_TOKENS:
+        return False, (f"off ({tokens:,} tokens a micro-batch: its work on the host would show in the step; "
+                       f"from {OFFLOAD_MIN_TOKENS:,} the GPU's work hides it)")
+    trial = copy.deepcopy(cfg)
+    trial.parallel.activation_offload = True
+    found = estimate(model, trial, machine, seq)
+    exposed = found.time_parts["activation offload copies"]
+    if exposed > 0:
+        return False, f"off (predicted with it: its copies outlast the GPU's work by {exposed:.2f} s a step)"
+    host = machine.host_mem_gib
+    if host is not None and found.peak_host_gib > host * AUTO_SPEND_HOST_FRACTION:
+        return False, (f"off (predicted with it: {found.peak_host_gib:.1f} GiB of host memory, over "
+                       f"{AUTO_SPEND_HOST_FRACTION:.0%} of the host's {host:.1f})")
+    return True, (f"on ({tokens:,} tokens a micro-batch; predicted with it: {found.peak_gpu_gib:.1f} GiB per GPU, "
+                  f"{found.peak_host_gib:.1f} GiB of host memory)")
+
+
 def _save_projections(model: Skeleton, cfg: Config, machine: Machine, seq: int
                       ) -> tuple[bool, str, Estimate | None]:
     """(whether `cfg`, compile decided, keeps its blocks' projections under `auto`, why in a few words, and the
     prediction with them where they are kept, which is then the run's): where blocks are checkpointed inside their
     compiled graphs and the run keeping their projections is predicted to peak within AUTO_SPEND_GPU_FRACTION of the
-    GPU's memory and to fit the host's."""
+    GPU's memory and within AUTO_SPEND_HOST_FRACTION of the host's (activation offload moves them there)."""
     trial = copy.deepcopy(cfg)
     trial.parallel.ac_save_projections = True
     found = estimate(model, trial, machine, seq)
     if not found.traced_checkpoints:
         return False, "off (no block is checkpointed inside its compiled graph)", None
-    budget = machine.gpu.memory_gib * AUTO_SPEND_GPU_FRACTION
-    if not found.fits_host:
-        return False, "off (predicted with it: over the host's memory)", None
+    budget, host = machine.gpu.memory_gib * AUTO_SPEND_GPU_FRACTION, machine.host_mem_gib
+    if host is not None and found.peak_host_gib > host * AUTO_SPEND_HOST_FRACTION:
+        return False, (f"off (predicted with it: {found.peak_host_gib:.1f} GiB of host memory, over "
+                       f"{AUTO_SPEND_HOST_FRACTION:.0%} of the host's {host:.1f})"), None
     if found.peak_gpu_gib > budget:
         return False, (f"off (predicted with it: {found.peak_gpu_gib:.1f} GiB per GPU, over {budget:.1f}, "
                        f"{AUTO_SPEND_GPU_FRACTION:.0%} of the GPU's {machine.gpu.memory_gib:.1f})"), None

@@ -268,7 +268,7 @@ def _activation_phases(model: Skeleton, cfg: Config, plans: list[TensorPlan], ac
     or the optimizer step (every gradient), or a gradient-free forward (a reference, KTO's mismatched rows)."""
     p, t = cfg.parallel, shapes.tokens
     kept = _kept_per_block(model, cfg, acts, shapes)
-    if p.activation_offload:  # every block's saved tensors go to the host, but those in use and in flight
+    if p.offloads_activations():  # every block's saved tensors go to the host, but those in use and in flight
         top = set(sorted(range(len(kept)), key=lambda i: -kept[i])[:OFFLOAD_KEPT_BLOCKS])
         kept = [k if i in top else 0.0 for i, k in enumerate(kept)]
     grads = [0.0] * (shapes.blocks + 1) if p.cpu_offload else _grads_by_block(model, plans, shapes.blocks)
@@ -334,7 +334,7 @@ def _block_working_set(cfg: Config, acts: BlockActivations, shapes: Shapes, i: i
 
 
 def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> list[float]:
-    """What each block keeps from forward to backward (bytes), all of which activation offload moves: a
+    """What each block keeps from forward to backward (bytes), which activation offload moves but the last's: a
     checkpointed block its input, and where its checkpoint is traced under ac_save_projections the projections
     it keeps inside its compiled graph and, with sdpa attention (whose kernels the policy keeps too,
     parallel/checkpointing.py), attention's output (the graph's saved tensors pass through the offload's hooks:
@@ -349,7 +349,7 @@ def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes
 def _offloaded_activations(model: Skeleton, cfg: Config, acts: BlockActivations, shapes: Shapes) -> float:
     """What activation offload moves to the host per micro-batch (bytes): what every block but the last keeps (the
     last block and the head keep theirs on the GPU, parallel/offload.py)."""
-    if not cfg.parallel.activation_offload:
+    if not cfg.parallel.offloads_activations():
         return 0.0
     return sum(_kept_per_block(model, cfg, acts, shapes)[:-1])
 

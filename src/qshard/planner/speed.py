@@ -102,7 +102,8 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     # Activation offload copies on a side stream: out while forward computes, back a block ahead while backward
     # does (parallel/offload.py); only the part of either direction that outlasts its pass adds to the step.
     copy = offloaded_activations / (g.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)
-    forward = gpu / (2 + ckpt)  # forward's share of the matmuls; backward and the recompute the rest
+    # Forward's share of the matmuls (backward and the recompute the rest); gradient-free forwards save nothing.
+    forward = gpu / (2 + ckpt + extra)
     activations = max(0.0, copy - forward) + max(0.0, copy - (gpu - forward))
     busy = max(gpu, host, link, pcie)
     times = {

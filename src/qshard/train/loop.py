@@ -209,7 +209,7 @@ class Trainer:
         # whose copies keep the device memory of a step's activations from other use until the device reaches
         # them (a step queued early would hold the next step's too); not under fp16_mixed, whose loss scale is
         # read at the end of each step (a wait for it). The same on every rank.
-        self.pipelined = (t.profile_steps is None and not cfg.parallel.activation_offload
+        self.pipelined = (t.profile_steps is None and not cfg.parallel.offloads_activations()
                           and not policy.loss_scaling)
         self._pending: IssuedStep | None = None  # a step queued, not yet waited for
         self.best = BestLoss(t.early_stopping_patience, t.early_stopping_min_delta)

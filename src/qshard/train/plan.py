@@ -112,7 +112,8 @@ class RunPlan:
             ("ac_save_projections", p.ac_save_projections is True),
             ("ac_save_projections auto", p.ac_save_projections == "auto"), ("cuda_graphs", p.cuda_graphs is True),
             ("cuda_graphs auto", p.cuda_graphs == "auto"),
-            ("cpu_offload", p.cpu_offload), ("activation_offload", p.activation_offload)) if on]
+            ("cpu_offload", p.cpu_offload), ("activation_offload", p.activation_offload is True),
+            ("activation_offload auto", p.activation_offload == "auto")) if on]
         return ", ".join(parts + flags)
 
     def _batch(self) -> str:
