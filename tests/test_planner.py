@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 
+import numpy as np
 import pytest
 from conftest import LogLines
 
@@ -290,8 +291,9 @@ def test_save_projections_auto_is_on_where_the_run_with_them_stays_well_inside_t
 def test_activation_offload_auto_is_on_for_long_micro_batches_within_the_host(capsys, dist_env):
     """parallel.activation_offload auto: off at 2,048 tokens a micro-batch (its host work would show: 27% slower on an
     H200), on at 8,192 (as fast, 7 GiB less GPU memory), off where the run with it is predicted over 80% of the
-    host's memory; off with cpu_offload, without checkpointing and without CUDA. `qshard plan` says what `qshard
-    train` settles, and settles the embedding and the projections after it."""
+    host's memory; off beside CUDA graphs, with cpu_offload, without checkpointing and without CUDA; where it was not
+    measured (several processes, preference pairs) off, unless the run fits the GPU only with it. `qshard plan` says
+    what `qshard train` settles, and settles the embedding and the projections after it."""
     from qshard.planner.command import activation_offload_choice, compile_planned, plan_model, preflight
     from qshard.planner.hardware import Machine, gpu
 
@@ -305,34 +307,50 @@ def test_activation_offload_auto_is_on_for_long_micro_batches_within_the_host(ca
     assert "activation_offload" not in kept and long["peak_gpu_gib"] < kept["peak_gpu_gib"] - 4
     assert long["tok_s"] >= 0.95 * kept["tok_s"]
     # 128k tokens: with 128 GiB of host memory on, the projections then left on the GPU (on the host they would
-    # take over 80% of it); with 32 GiB off.
+    # take over 80% of it); with 32 GiB off (the run fits the GPU without it).
     roomy = _plan(capsys, *base, "--seq", "131072", "--host-mem", "128")
     assert roomy["activation_offload"] is True and roomy["ac_save_projections"] is False
     assert roomy["peak_host_gib"] <= 0.8 * 128
     small = _plan(capsys, *base, "--seq", "131072", "--host-mem", "32")
     assert small["activation_offload"] is False
     assert main(["plan", *base, "--seq", "131072", "--host-mem", "32"]) == 0
-    assert "parallel.activation_offload auto: off (predicted with it: " in capsys.readouterr().out
+    assert "parallel.activation_offload auto: off (predicted with it: 3" in capsys.readouterr().out
 
-    def choice(*options):
+    h200 = Machine(gpu("h200"), host_mem_gib=128)
+
+    def choice(*options, seq=8192, machine=h200, typical=None):
         cfg = compile_planned(resolve(None, [("model.shape", "llama3-8b"), ("lora.rank", "64"), *options]), True)
-        return activation_offload_choice(plan_model(cfg, 1), cfg, Machine(gpu("h200"), host_mem_gib=128), 8192)
+        return activation_offload_choice(plan_model(cfg, machine.world_size), cfg, machine, seq, typical)
 
-    assert choice() == (True, choice()[1]) and choice()[1].startswith("on (8,192 tokens a micro-batch")
-    assert choice(("parallel.cpu_offload", "true"))[0] is False
+    on, why = choice()
+    assert on is True and why.startswith("on (8,192 tokens a micro-batch typically"), why
+    assert choice(("train.micro_batch_size", "2"), seq=4096)[0] is True  # two rows of 4,096 tokens
+    on, why = choice(typical=1500.0)  # rows of up to 8,192 tokens, most far shorter
+    assert on is False and "1,500 tokens a micro-batch typically" in why, why
+    assert "cuda_graphs true" in choice(("parallel.cuda_graphs", "true"), seq=2048)[1]
+    assert "cpu_offload" in choice(("parallel.cpu_offload", "true"))[1]
     assert "activation_checkpointing false" in choice(("parallel.activation_checkpointing", "false"))[1]
+    assert "train.objective dpo: not measured" in choice(("train.objective", "dpo"))[1]
+    assert "several processes" in choice(machine=Machine(gpu("h200"), gpus_per_node=2, host_mem_gib=256))[1]
+    # An H100 at 128k tokens: over its memory without the offload, within it with: on, even on 40 GiB of host
+    # memory (35 GiB predicted), beyond the 80% it spends where the run fits without.
+    on, why = choice(seq=131072, machine=Machine(gpu("h100"), host_mem_gib=40))
+    assert on is True and why.startswith("on (predicted without it: "), why
 
     lines = LogLines()
     logging.getLogger("qshard").addHandler(lines)
     try:
-        for machine, on in ((Machine(gpu("h200")), True), (None, False)):
+        h200_unknown_host = Machine(gpu("h200"))
+        for machine, lengths, on in ((h200_unknown_host, None, True), (h200_unknown_host, [900, 8192, 700], False),
+                                     (None, None, False)):
             lines.lines.clear()
             cfg = resolve(None, [("model.shape", "llama3-8b"), ("lora.rank", "64"), ("data.max_length", "8192")])
             assert cfg.parallel.activation_offload == "auto" and not cfg.parallel.offloads_activations()
-            preflight(cfg, machine, None, None, auto_fit=False, is_main=True)
+            preflight(cfg, machine, None, None, auto_fit=False, is_main=True,
+                      lengths=(lambda rows=lengths: np.array(rows)) if lengths else None)
             said = [line for line in lines.lines if line.startswith("parallel.activation_offload auto:")]
             assert len(said) == 1 and cfg.parallel.activation_offload is on, lines.lines
-            assert cfg.model.embedding_on_host is False  # settled after it: not beside the offload, nor on the CPU
+            assert cfg.model.embedding_on_host is (machine is not None and not on)  # settled after it
     finally:
         logging.getLogger("qshard").removeHandler(lines)
 

@@ -97,6 +97,9 @@ def check_cuda_graphs(parallel: ParallelConfig, device: torch.device, traced: in
     device, the compile decision and the world size are known (the config refuses what it can before)."""
     if device.type != "cuda":
         raise QShardError(f"parallel.cuda_graphs: needs a CUDA device; this run computes on {device.type}")
+    if parallel.offloads_activations():  # the config refuses both given; this holds for what was settled after it
+        raise QShardError("parallel.cuda_graphs: not with parallel.activation_offload (its copies of the saved "
+                          "tensors could race the next graph replay)")
     if not parallel.compile:
         raise QShardError("parallel.cuda_graphs: parallel.compile auto did not compile the blocks here (see the log "
                           "line above); set parallel.compile true, or leave cuda_graphs off")

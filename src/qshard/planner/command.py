@@ -197,11 +197,12 @@ def this_machine(device: torch.device, world_size: int) -> Machine | None:
 
 
 def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, vocab_size: int, auto_fit: bool,
-              is_main: bool) -> None:
+              is_main: bool, lengths: Callable[[], np.ndarray] | None = None) -> None:
     """Predict the run before it loads, on rank 0 (the others would repeat its work on the same CPUs): warn in
     one line when it is predicted not to fit, or with `auto_fit` apply the fastest settings predicted to fit,
     rank 0's choice on every rank (nodes that differ in host memory could otherwise choose apart), with the CPU
-    collectives it needs added to the run's process group."""
+    collectives it needs added to the run's process group. `lengths()`: the training rows' tokens (None: rows of
+    data.max_length), asked only where parallel.activation_offload auto needs them."""
     if auto_fit and machine is not None:
         overrides = from_rank0(lambda: _guarded(lambda: _auto_fit(cfg, machine, model_dir, vocab_size)), is_main)
         for dotted, value in overrides or []:
@@ -219,7 +220,8 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
         on, why = False, "off (no CUDA device: saved activations live in host memory already)"
         if machine is not None:
             on, why = from_rank0(lambda: _guarded(lambda: activation_offload_choice(
-                planned_model(), compile_planned(cfg), machine, cfg.data.max_length)), is_main) or (
+                planned_model(), compile_planned(cfg), machine, cfg.data.max_length,
+                float(np.median(lengths())) if lengths else None)), is_main) or (
                 False, "off (the run could not be predicted)")
         cfg.parallel.activation_offload = on
         if is_main:
@@ -274,24 +276,41 @@ def settle_embedding_on_host(cfg: Config, on_gpu: bool, world_size: int,
     return f"model.embedding_on_host auto: {why}"
 
 
-def activation_offload_choice(model: Skeleton, cfg: Config, machine: Machine, seq: int) -> tuple[bool, str]:
-    """(whether `cfg`, compile decided, offloads its saved activations under `auto`, why in a few words): where
-    micro-batches of `seq`-token rows hold OFFLOAD_MIN_TOKENS or more, blocks are checkpointed (otherwise all a
-    block saves would cross the link; not measured), parameters stay on the GPU (parallel.cpu_offload spends the
-    host's memory and link on them), and the run with it is predicted to keep its copies under the GPU's work and
-    to stay within AUTO_SPEND_HOST_FRACTION of the host's memory."""
+def activation_offload_choice(model: Skeleton, cfg: Config, machine: Machine, seq: int,
+                              typical_row: float | None = None) -> tuple[bool, str]:
+    """(whether `cfg`, compile decided, offloads its saved activations under `auto`, why in a few words), for rows
+    of up to `seq` tokens, `typical_row` tokens each typically (None: `seq`). Never beside CUDA graphs, parallel.
+    cpu_offload (the host's memory and link serve the weights) or without checkpointing (all a block saves would
+    cross the link). On where the run is predicted not to fit the GPU without it and to fit with it; else on where
+    it was measured to cost nothing: one process training sft rows, micro-batches of OFFLOAD_MIN_TOKENS or more
+    typically, the copies predicted to hide under the GPU's work and the host's memory to stay within
+    AUTO_SPEND_HOST_FRACTION."""
     p = cfg.parallel
-    tokens = seq * cfg.train.micro_batch_size
+    if p.replays_graphs():
+        return False, "off (parallel.cuda_graphs true: the graphs' replays could overwrite what its copies read)"
     if p.cpu_offload:
         return False, "off (parallel.cpu_offload spends the host's memory and link on the weights)"
     if not p.activation_checkpointing:
         return False, "off (parallel.activation_checkpointing false: every block's whole working set would move)"
-    if tokens < OFFLOAD_MIN_TOKENS:
-        return False, (f"off ({tokens:,} tokens a micro-batch: its work on the host would show in the step; "
-                       f"from {OFFLOAD_MIN_TOKENS:,} the GPU's work hides it)")
     trial = copy.deepcopy(cfg)
     trial.parallel.activation_offload = True
     found = estimate(model, trial, machine, seq)
+    trial.parallel.activation_offload = False
+    without = estimate(model, trial, machine, seq)
+    if not without.fits_gpu:
+        if found.fits:
+            return True, (f"on (predicted without it: {without.peak_gpu_gib:.1f} GiB per GPU, over the usable "
+                          f"{without.usable_gpu_gib:.1f}; with it {found.peak_gpu_gib:.1f}, and "
+                          f"{found.peak_host_gib:.1f} GiB of host memory)")
+        return False, "off (predicted not to fit with it either)"
+    if cfg.train.objective != "sft":
+        return False, f"off (train.objective {cfg.train.objective}: not measured with it)"
+    if machine.world_size > 1:
+        return False, "off (several processes: not measured with it)"
+    tokens = round((typical_row or seq) * cfg.train.micro_batch_size)
+    if tokens < OFFLOAD_MIN_TOKENS:
+        return False, (f"off ({tokens:,} tokens a micro-batch typically: its work on the host would show in the "
+                       f"step; from {OFFLOAD_MIN_TOKENS:,} the GPU's work hides it)")
     exposed = found.time_parts["activation offload copies"]
     if exposed > 0:
         return False, f"off (predicted with it: its copies outlast the GPU's work by {exposed:.2f} s a step)"
@@ -299,8 +318,8 @@ def activation_offload_choice(model: Skeleton, cfg: Config, machine: Machine, se
     if host is not None and found.peak_host_gib > host * AUTO_SPEND_HOST_FRACTION:
         return False, (f"off (predicted with it: {found.peak_host_gib:.1f} GiB of host memory, over "
                        f"{AUTO_SPEND_HOST_FRACTION:.0%} of the host's {host:.1f})")
-    return True, (f"on ({tokens:,} tokens a micro-batch; predicted with it: {found.peak_gpu_gib:.1f} GiB per GPU, "
-                  f"{found.peak_host_gib:.1f} GiB of host memory)")
+    return True, (f"on ({tokens:,} tokens a micro-batch typically: its copies hide under the GPU's work, and the "
+                  "host has the memory)")
 
 
 def _save_projections(model: Skeleton, cfg: Config, machine: Machine, seq: int

@@ -170,7 +170,7 @@ def train(cfg: Config, env: DistEnv, dry_run: bool = False, auto_fit: bool = Fal
         kept = _kept_lines(out, resume.state["step"], env) if resume.continuing else _Kept()
         # Before anything is loaded: a run predicted not to fit says so now, not with an OOM minutes later.
         preflight(cfg, this_machine(env.device, env.world_size), inputs.model_dir, len(inputs.tokenizer), auto_fit,
-                  env.is_main)
+                  env.is_main, lambda: example_lengths(inputs.train))
         _decide_cuda_graphs(cfg, env, inputs, resume)
         run = _build(cfg, env, inputs, resume, prompts)
         fit = _fit(cfg, env, out, run, kept, replace=cfg.output.overwrite and not resume.continuing)
