@@ -47,7 +47,7 @@ HOST_PER_BLOCK_S = {"cuda_graph": 0.001, "graph": 0.002, "hooks": 0.0103}
 # buffer, a copy queued on the side stream, events) and bring the groups back. Fitted on an H200, 8B, 2026-12-04:
 # at 2,048 tokens, where the host already nearly bounds the step, the offload cost 27% (9,188 against 12,5xx
 # tok/s); at 8,192, where the GPU's work hides it, nothing (12,142 against 12,124).
-HOST_OFFLOAD_PER_BLOCK_S = 0.003
+HOST_OFFLOAD_PER_BLOCK_S = 0.0035
 # The share of the smaller of host and GPU time that still shows in a step: kernels launched while the GPU has
 # run dry (a block's start, the waits between forward and backward).
 HOST_EXPOSED = 0.21
