@@ -180,6 +180,13 @@ def kept_projections(block: nn.Module) -> list[tuple[str, int, int]]:
     return found
 
 
+def adapts_attention_output(block: nn.Module) -> bool:
+    """Whether an adapter trains on attention's output projection (o_proj and its kin) in `block`: its A factor's
+    weight gradient needs that projection's input, attention's output laid out by token."""
+    return any(isinstance(m, LoRALinear) and _leaf(n) in _RESIDUAL_PROJECTIONS and ("attn" in n or "attention" in n)
+               for n, m in block.named_modules())
+
+
 def _leaf(name: str) -> str:
     """A linear's own name in its block, for the frozen base inside an adapter too."""
     return name.removesuffix(".base").rsplit(".", 1)[-1]

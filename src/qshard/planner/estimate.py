@@ -12,7 +12,7 @@ from qshard.loading.read_ahead import CUDA_STAGING_BYTES
 from qshard.models import prompt_tokens_shared, shares_prompt
 from qshard.parallel.checkpointing import checkpointed_blocks
 from qshard.parallel.fsdp import reshard_after_forward
-from qshard.planner.activations import BlockActivations, probe_activations
+from qshard.planner.activations import BlockActivations, adapts_attention_output, probe_activations
 from qshard.planner.hardware import Machine
 from qshard.planner.layout import TensorPlan, per_skeleton, plan_mesh, state_sizes, storage_block_bytes, tensor_layout
 from qshard.planner.speed import extra_forwards, head_gradient_in_forward, head_trains, runs_sdpa, step_times
@@ -337,12 +337,21 @@ def _kept_per_block(model: Skeleton, cfg: Config, acts: BlockActivations, shapes
     """What each block keeps from forward to backward (bytes), which activation offload moves but the last's: a
     checkpointed block its input, and where its checkpoint is traced under ac_save_projections the projections
     it keeps inside its compiled graph and, with sdpa attention (whose kernels the policy keeps too,
-    parallel/checkpointing.py), attention's output (the graph's saved tensors pass through the offload's hooks:
-    measured on an H200, 2026-12-04); any other block all it saves (of a tiled MLP, its input and one tile's)."""
+    parallel/checkpointing.py), attention's output, and where an adapter trains on the output projection, that
+    output once more as the projection's input, laid out by token (its A factor's gradient reads it; the graph's
+    saved tensors pass through the offload's hooks, which logged exactly that much on an H200, 2026-12-04: 1,148
+    KiB a token for 31 blocks of 8B); any other block all it saves (of a tiled MLP, its input and one tile's)."""
     ckpt = {id(b) for b in checkpointed_blocks(model.blocks, cfg.parallel)}
     kept_inside = _traced(cfg, shapes) and cfg.parallel.saves_projections()
-    attention = _attention_output_bytes(shapes) if kept_inside and runs_sdpa(model) else 0.0
-    return [shapes.tokens * (acts.block_input + (acts.projections[i] if kept_inside else 0)) + attention
+    sdpa = kept_inside and runs_sdpa(model)
+
+    def attention(block) -> float:
+        if not sdpa:
+            return 0.0
+        relaid = shapes.attention_tokens * shapes.attn_dim * shapes.compute if adapts_attention_output(block) else 0
+        return _attention_output_bytes(shapes) + relaid
+
+    return [shapes.tokens * (acts.block_input + (acts.projections[i] if kept_inside else 0)) + attention(b)
             if id(b) in ckpt else _block_working_set(cfg, acts, shapes, i) for i, b in enumerate(model.blocks)]
 
 

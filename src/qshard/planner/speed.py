@@ -90,7 +90,14 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     recomputed = 0.0 if traced and cfg.quant.method == "nf4" else ckpt
     dequant = quantized * (2 + recomputed + extra) * (0.5 + 2 * shapes.compute) / (
         g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
-    gpu = (compute + dequant) * (1.0 if p.compile else hardware.EAGER_GPU_FACTOR)
+    eager = 1.0 if p.compile else hardware.EAGER_GPU_FACTOR
+    gpu = (compute + dequant) * eager
+    # The step's own forward, which activation offload's copies out overlap: the blocks' matmuls once, the head's
+    # (its input's gradient too where taken in forward), attention once, each weight dequantized once.
+    head_forward = t * shapes.vocab * shapes.hidden * (4 if head_gradient_in_forward(model, cfg, plans) else 2)
+    forward = ((t * 2 * (frozen + trained) + head_forward) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY)
+               + per_pass / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
+               + quantized * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)) * eager
     # Blocks used in place (their storage or adapters held in place; only the embedding and head are otherwise)
     # run as compiled graphs without a unit's hooks.
     graphs = p.compile and shapes.blocks_in_place
@@ -103,8 +110,6 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     # Activation offload copies on a side stream: out while forward computes, back a block ahead while backward
     # does (parallel/offload.py); only the part of either direction that outlasts its pass adds to the step.
     copy = offloaded_activations / (g.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)
-    # Forward's share of the matmuls (backward and the recompute the rest); gradient-free forwards save nothing.
-    forward = gpu / (2 + ckpt + extra)
     activations = max(0.0, copy - forward) + max(0.0, copy - (gpu - forward))
     busy = max(gpu, host, link, pcie)
     times = {
