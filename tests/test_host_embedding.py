@@ -231,9 +231,10 @@ def test_train_settles_auto_before_it_predicts_the_run(tiny_models, caplog, dist
     monkeypatch.setattr(command, "estimate", recorded)
     with caplog.at_level(logging.INFO, logger="qshard"):
         preflight(cfg, Machine(gpu("h200")), model_dir, vocab, auto_fit=False, is_main=True)
-    # The first two: parallel.activation_offload auto's, with and without it, settled before the embedding (which
-    # leaves the host's memory to the offload); every prediction after them with the embedding on the host.
-    assert predicted[:2] == ["auto", "auto"], predicted
+    # The first two: parallel.activation_offload auto's, settled before the embedding (which leaves the host's memory
+    # to the offload): with it (the embedding then off), and without it, the embedding where that run would keep it;
+    # every prediction after them with the embedding on the host.
+    assert predicted[:2] == ["auto", True], predicted
     assert cfg.model.embedding_on_host is True and predicted[2:] and all(v is True for v in predicted[2:]), predicted
     assert sum("model.embedding_on_host auto: on" in r.getMessage() for r in caplog.records) == 1
     cpu = resolve(None, [("model.path", str(model_dir))])

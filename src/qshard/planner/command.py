@@ -224,7 +224,7 @@ def preflight(cfg: Config, machine: Machine | None, model_dir: Path | None, voca
         if machine is not None:
             on, why = from_rank0(lambda: _guarded(lambda: activation_offload_choice(
                 planned_model(), compile_planned(cfg), machine, cfg.data.max_length,
-                float(np.median(lengths())) if lengths else None)), is_main) or (
+                _median(lengths) if lengths else None)), is_main) or (
                 False, "off (the run could not be predicted)")
         cfg.parallel.activation_offload = on
         if is_main:
@@ -298,19 +298,21 @@ def activation_offload_choice(model: Skeleton, cfg: Config, machine: Machine, se
     trial = copy.deepcopy(cfg)
     trial.parallel.activation_offload = True
     found = estimate(model, trial, machine, seq)
+    host = machine.host_mem_gib
+    within_host = host is None or found.peak_host_gib <= host * AUTO_SPEND_HOST_FRACTION
     trial.parallel.activation_offload = False
-    without = estimate(model, trial, machine, seq)
-    if not without.fits_gpu:
-        if found.fits:
-            return True, (f"on (predicted without it: {without.peak_gpu_gib:.1f} GiB per GPU, over the usable "
-                          f"{without.usable_gpu_gib:.1f}; with it {found.peak_gpu_gib:.1f}, and "
-                          f"{found.peak_host_gib:.1f} GiB of host memory)")
-        return False, "off (predicted not to fit with it either)"
+    if trial.model.embedding_on_host == AUTO:  # where the run without it would keep the embedding
+        trial.model.embedding_on_host = embedding_on_host_choice(trial, True, machine.world_size,
+                                                                 lambda: model.model)[0]
+    if not estimate(model, trial, machine, seq).fits_gpu:
+        if found.fits_gpu and within_host:
+            return True, "on (predicted to fit the GPU with it, not without)"
+        return False, "off (predicted not to fit with it either, GPU or host)"
     if cfg.train.objective != "sft":
         return False, f"off (train.objective {cfg.train.objective}: not measured with it)"
     if machine.world_size > 1:
         return False, "off (several processes: not measured with it)"
-    tokens = round((typical_row or seq) * cfg.train.micro_batch_size)
+    tokens = round((seq if typical_row is None else typical_row) * cfg.train.micro_batch_size)
     if tokens < OFFLOAD_MIN_TOKENS:
         return False, (f"off ({tokens:,} tokens a micro-batch typically: its work on the host would show in the "
                        f"step; from {OFFLOAD_MIN_TOKENS:,} the GPU's work hides it)")
@@ -318,12 +320,16 @@ def activation_offload_choice(model: Skeleton, cfg: Config, machine: Machine, se
     if exposed > OFFLOAD_EXPOSED_FRACTION * found.step_s:
         return False, (f"off (predicted with it: its copies outlast the GPU's work by {exposed:.2f} s of a "
                        f"{found.step_s:.2f} s step)")
-    host = machine.host_mem_gib
-    if host is not None and found.peak_host_gib > host * AUTO_SPEND_HOST_FRACTION:
+    if not within_host:
         return False, (f"off (predicted with it: {found.peak_host_gib:.1f} GiB of host memory, over "
                        f"{AUTO_SPEND_HOST_FRACTION:.0%} of the host's {host:.1f})")
-    return True, (f"on ({tokens:,} tokens a micro-batch typically: its copies hide under the GPU's work, and the "
-                  "host has the memory)")
+    return True, (f"on ({tokens:,} tokens a micro-batch typically: its copies predicted to hide under the GPU's "
+                  f"work, within {OFFLOAD_EXPOSED_FRACTION:.0%} of the step, and the host has the memory)")
+
+
+def _median(lengths: Callable[[], np.ndarray]) -> float | None:
+    rows = lengths()
+    return float(np.median(rows)) if len(rows) else None
 
 
 def _save_projections(model: Skeleton, cfg: Config, machine: Machine, seq: int

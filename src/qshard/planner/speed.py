@@ -110,7 +110,8 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     # Activation offload copies on a side stream: out while forward computes, back a block ahead while backward
     # does (parallel/offload.py); only the part of either direction that outlasts its pass adds to the step.
     copy = offloaded_activations / (g.pcie_gbs * 1e9 * hardware.COPY_EFFICIENCY)
-    activations = max(0.0, copy - forward) + max(0.0, copy - (gpu - forward))
+    # (gradient-free forwards, a preference reference's, save nothing: neither pass's)
+    activations = max(0.0, copy - forward) + max(0.0, copy - (gpu - forward * (1 + extra)))
     busy = max(gpu, host, link, pcie)
     times = {
         "compute": gpu * micro,
