@@ -293,10 +293,10 @@ class ParallelConfig:
     # set of the trained weights' gradients in host memory.
     defer_grad_accumulation: bool = False
     # Move the activations saved for backward to (pinned) CPU memory during forward, back in backward (a block
-    # ahead, on a side stream: parallel/offload.py). auto: on for CUDA runs whose micro-batches hold at least
-    # 8,192 tokens, without cpu_offload, where the run with it is predicted to fit the host's memory
-    # (planner/command.py, activation_offload_choice); off elsewhere (and in code that builds a model without that
-    # decision).
+    # ahead, on a side stream: parallel/offload.py). auto, settled before the model loads (planner/command.py,
+    # activation_offload_choice): on for a CUDA run predicted to fit the GPU only with it, or where it was measured
+    # free (one process, sft, micro-batches of 8,192 tokens or more typically, the host's memory to spare); off
+    # elsewhere (and in code that builds a model without that decision).
     activation_offload: Literal["auto", True, False] = "auto"
     # Who shards the NF4/HQQ codes and scales: FSDP2 itself (grouped, prefetched all-gathers; as integers, or
     # as bf16/fp32 carriers of the bytes where its FSDP2 refuses integers, checked byte for byte at build

@@ -10,11 +10,10 @@ FSDP2 and offloaded by parallel/storage_offload.py.
 Activations: tensors that autograd saves for backward are copied to pinned CPU memory on a side stream
 while compute goes on, into host buffers of a pool reused from step to step (`HostPool`), and copied back
 on that stream a block ahead of backward's need (`OffloadActivations`); what the last block and the head save,
-which backward needs first, stays on the GPU. Parameters are left in place
-(copying a weight out and back would only cost time). With activation checkpointing the checkpointed blocks
-save nothing but their inputs (and what parallel.ac_save_projections keeps), and those move too (hidden size
-x dtype bytes per token per block), with what blocks not checkpointed save. On a CPU-only machine
-activations already live in host memory: nothing to do.
+which backward needs first, stays on the GPU. Parameters are left in place (copying a weight out and back would
+only cost time). With activation checkpointing the checkpointed blocks save nothing but their inputs (and what
+parallel.ac_save_projections keeps), and those move too (hidden size x dtype bytes per token per block), with
+what blocks not checkpointed save. On a CPU-only machine activations already live in host memory: nothing to do.
 """
 
 from __future__ import annotations
@@ -144,10 +143,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     backward brings them back (the unpack hooks travel with the saved tensors).
 
     The saved tensors are grouped by the block whose forward saved them (`end_block`, called by a hook at the end
-    of each block's forward). Backward needs
-    the groups in reverse: when it asks for a tensor of one group, the group before is copied back on the side
-    stream while the compute stream runs this one's backward, and the last group is copied back as soon as the
-    forward ends, so that backward waits for no copy it could have made earlier.
+    of each block's forward). Backward needs the groups in reverse: when it asks for a tensor of one group, the
+    group before is copied back on the side stream while the compute stream runs this one's backward, and the last
+    group is copied back as soon as the forward ends, so that backward waits for no copy it could have made
+    earlier.
 
     What the last block and the head save stays on the device (`keep_the_rest`, called as the block before the last
     ends, before anything saves the last block's input): backward needs it first, so both its copy out and its
@@ -163,7 +162,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.groups: list[list[weakref.ref]] = [[]]
         self.brought: set[int] = set()  # the groups whose copies went back to the device
         self.asked: set[int] = set()  # the groups backward has asked for a copy of
-        self.keeping = False  # from the last block's forward on: saved tensors stay where they are
+        self.keeping = False  # from the end of the block before the last on: saved tensors stay where they are
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> OffloadActivations:

@@ -301,9 +301,7 @@ def activation_offload_choice(model: Skeleton, cfg: Config, machine: Machine, se
     host = machine.host_mem_gib
     within_host = host is None or found.peak_host_gib <= host * AUTO_SPEND_HOST_FRACTION
     trial.parallel.activation_offload = False
-    if trial.model.embedding_on_host == AUTO:  # where the run without it would keep the embedding
-        trial.model.embedding_on_host = embedding_on_host_choice(trial, True, machine.world_size,
-                                                                 lambda: model.model)[0]
+    settle_embedding_on_host(trial, True, machine.world_size, lambda: model)  # where that run would keep it
     if not estimate(model, trial, machine, seq).fits_gpu:
         if found.fits_gpu and within_host:
             return True, "on (predicted to fit the GPU with it, not without)"

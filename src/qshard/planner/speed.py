@@ -82,22 +82,23 @@ def step_times(model: Skeleton, cfg: Config, plans: list[TensorPlan], shapes: Sh
     matmul += extra * t * 2 * (frozen + trained)
     head += extra * t * shapes.vocab * shapes.hidden * 2
     attention += extra * per_pass
-    compute = (matmul + head) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY) + \
-        attention / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
+    eager = 1.0 if p.compile else hardware.EAGER_GPU_FACTOR
+
+    def gpu_seconds(matmul_flops: float, attention_flops: float, dequantized: float) -> float:
+        """GPU time of matmul and attention FLOPs and of `dequantized` weights dequantized (one per use)."""
+        return (matmul_flops / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY)
+                + attention_flops / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
+                + dequantized * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)) * eager
+
     # Each quantized weight is dequantized in forward and backward, and again for a hooks checkpoint's recompute; a
     # traced checkpoint's recompute shares backward's NF4 weights (quant/nf4.py, _NF4MatmulInTracedCheckpoint and
     # _NF4MatmulBesideLowRank).
     recomputed = 0.0 if traced and cfg.quant.method == "nf4" else ckpt
-    dequant = quantized * (2 + recomputed + extra) * (0.5 + 2 * shapes.compute) / (
-        g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)
-    eager = 1.0 if p.compile else hardware.EAGER_GPU_FACTOR
-    gpu = (compute + dequant) * eager
+    gpu = gpu_seconds(matmul + head, attention, quantized * (2 + recomputed + extra))
     # The step's own forward, which activation offload's copies out overlap: the blocks' matmuls once, the head's
     # (its input's gradient too where taken in forward), attention once, each weight dequantized once.
     head_forward = t * shapes.vocab * shapes.hidden * (4 if head_gradient_in_forward(model, cfg, plans) else 2)
-    forward = ((t * 2 * (frozen + trained) + head_forward) / (g.tflops * 1e12 * hardware.MATMUL_EFFICIENCY)
-               + per_pass / (g.tflops * 1e12 * hardware.ATTENTION_EFFICIENCY)
-               + quantized * (0.5 + 2 * shapes.compute) / (g.hbm_gbs * 1e9 * hardware.COPY_EFFICIENCY)) * eager
+    forward = gpu_seconds(t * 2 * (frozen + trained) + head_forward, per_pass, quantized)
     # Blocks used in place (their storage or adapters held in place; only the embedding and head are otherwise)
     # run as compiled graphs without a unit's hooks.
     graphs = p.compile and shapes.blocks_in_place
